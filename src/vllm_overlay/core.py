@@ -1,0 +1,272 @@
+"""Decide, apply and revert the registry's patches in this process.
+
+Decisions enforced by default: the VLLM_OVERLAY / _ENABLE / _DISABLE switches, the vLLM
+version range, the platform, requires / conflicts. An enabled patch that cannot apply is
+skipped with one WARNING (or stops start-up under VLLM_OVERLAY_STRICT=1).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+import time
+import traceback
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+from vllm_overlay import settings, versions
+from vllm_overlay.errors import OverlayError, PatchConflictError, StrictModeError, UnknownPatchError
+from vllm_overlay.mechanisms import wrap as wrapmech
+from vllm_overlay.report import LOG, STATE, setup_logging
+from vllm_overlay.spec import PatchSpec
+
+
+@dataclass(frozen=True)
+class Decision:
+    spec: PatchSpec
+    status: str  # "planned" | "off" | "skipped" | "upstream-merged"
+    reason: str
+
+
+def registry() -> tuple[tuple[PatchSpec, ModuleType], ...]:
+    from vllm_overlay.registry import PATCH_MODULES
+
+    return tuple((importlib.import_module(m).SPEC, importlib.import_module(m)) for m in PATCH_MODULES)
+
+
+def specs() -> tuple[PatchSpec, ...]:
+    return tuple(spec for spec, _ in registry())
+
+
+def _check_ids(name: str, ids: tuple[str, ...], known: list[str]) -> None:
+    for pid in ids:
+        if pid not in known:
+            raise UnknownPatchError(
+                f"{name}: unknown patch id {pid!r}; known ids: {', '.join(known)}"
+            )
+
+
+def decide(
+    environ: Mapping[str, str] | None = None,
+    vllm: versions.Installed | None | str = "detect",
+) -> list[Decision]:
+    """What would apply here and why (pure: applies nothing). Raises on bad switches."""
+    all_specs = specs()
+    known = [s.id for s in all_specs]
+    on = settings.value("VLLM_OVERLAY", environ)
+    enable = settings.value("VLLM_OVERLAY_ENABLE", environ)
+    disable = settings.value("VLLM_OVERLAY_DISABLE", environ)
+    _check_ids("VLLM_OVERLAY_ENABLE", enable, known)
+    _check_ids("VLLM_OVERLAY_DISABLE", disable, known)
+    inst = versions.installed_vllm() if vllm == "detect" else vllm
+    assert not isinstance(inst, str)
+
+    wanted: dict[str, str] = {}  # id -> why it is wanted
+    out: dict[str, Decision] = {}
+    for spec in all_specs:
+        if not on:
+            out[spec.id] = Decision(spec, "off", "VLLM_OVERLAY=0 turns every patch off")
+            continue
+        if spec.id in disable:
+            out[spec.id] = Decision(spec, "off", "disabled by VLLM_OVERLAY_DISABLE")
+            continue
+        if spec.id in enable:
+            wanted[spec.id] = "enabled by VLLM_OVERLAY_ENABLE"
+        elif spec.enabled_by and settings.value(spec.enabled_by, environ):
+            wanted[spec.id] = f"on because {spec.enabled_by} is set"
+        elif spec.default and not spec.enabled_by:
+            wanted[spec.id] = "on by default"
+        else:
+            how = f"set {spec.enabled_by}" if spec.enabled_by else f"VLLM_OVERLAY_ENABLE={spec.id}"
+            out[spec.id] = Decision(spec, "off", f"off by default ({how} to turn it on)")
+
+    for spec in all_specs:
+        if spec.id not in wanted:
+            continue
+        for other in spec.conflicts:
+            if other in wanted:
+                raise PatchConflictError(
+                    f"patches {spec.id!r} and {other!r} conflict and are both enabled; "
+                    f"turn one off with VLLM_OVERLAY_DISABLE"
+                )
+
+    for spec in all_specs:
+        if spec.id not in wanted:
+            continue
+        why = wanted[spec.id]
+        if spec.enabled_by and spec.id in enable and not settings.value(spec.enabled_by, environ):
+            out[spec.id] = Decision(spec, "skipped", f"enabled, but {spec.enabled_by} is 0 (nothing to do)")
+        elif inst is None:
+            out[spec.id] = Decision(spec, "skipped", "vLLM is not installed in this environment")
+        elif versions.matches(inst.version, spec.upstream_merged):
+            out[spec.id] = Decision(
+                spec, "upstream-merged", f"vLLM {inst.version} already does this upstream"
+            )
+        elif not versions.matches(inst.version, spec.vllm):
+            out[spec.id] = Decision(
+                spec, "skipped", f"requested vllm {spec.vllm}, found {inst.version}"
+            )
+        elif spec.rewrites and not any(rw.version == inst.version for rw in spec.rewrites):
+            have = ", ".join(sorted({rw.version for rw in spec.rewrites}))
+            out[spec.id] = Decision(
+                spec, "skipped", f"no recorded source anchors for vLLM {inst.version} (have: {have})"
+            )
+        elif inst.platform not in spec.platforms:
+            out[spec.id] = Decision(
+                spec, "skipped", f"platform {inst.platform} not in {', '.join(spec.platforms)}"
+            )
+        else:
+            out[spec.id] = Decision(spec, "planned", why)
+
+    # requires: a patch whose requirement will not apply is skipped (iterate to a fixed point)
+    changed = True
+    while changed:
+        changed = False
+        for spec in all_specs:
+            d = out[spec.id]
+            if d.status != "planned":
+                continue
+            for req in spec.requires:
+                if out[req].status != "planned":
+                    out[spec.id] = Decision(
+                        spec, "skipped", f"requires {req!r}, which is {out[req].status}: {out[req].reason}"
+                    )
+                    changed = True
+                    break
+    return [out[s.id] for s in all_specs]
+
+
+# ---- applying -----------------------------------------------------------------------------
+
+
+@dataclass
+class Active:
+    spec: PatchSpec
+    module: ModuleType
+    pending: set[str] = field(default_factory=set)
+    installed: list[wrapmech.Installed] = field(default_factory=list)
+    live: bool = True
+
+
+_LOCK = threading.RLock()
+_ACTIVE: dict[str, Active] = {}
+
+
+def active_ids() -> list[str]:
+    return [pid for pid, a in _ACTIVE.items() if a.live and STATE.patches.get(pid, {}).get("status") == "applied"]
+
+
+def traced_code_digest_parts() -> list[str]:
+    """Ids of live patches that change traced code (for the compile-cache key)."""
+    return sorted(pid for pid, a in _ACTIVE.items() if a.live and a.spec.changes_traced_code)
+
+
+def _fail(active: Active, exc: BaseException, strict: bool) -> None:
+    spec = active.spec
+    msg = f"{type(exc).__name__}: {exc}"
+    STATE.set_patch(spec.id, "failed", reason=msg, traceback=traceback.format_exc(limit=6))
+    for inst in reversed(active.installed):
+        try:
+            inst.undo()
+        except Exception:  # noqa: BLE001
+            pass
+    active.installed.clear()
+    active.live = False
+    STATE.write()
+    if strict:
+        raise StrictModeError(
+            f"VLLM_OVERLAY_STRICT=1: patch {spec.id!r} could not apply: {msg}"
+        ) from exc
+    LOG.warning("patch %s skipped: could not apply: %s", spec.id, msg)
+
+
+def _make_hook(active: Active, module_name: str, strict: bool) -> Any:
+    def hook(module: ModuleType) -> None:
+        with _LOCK:
+            if not active.live or module_name not in active.pending:
+                return
+            try:
+                installed = active.module.install(module_name, module)
+            except Exception as exc:  # noqa: BLE001
+                _fail(active, exc, strict)
+                return
+            active.installed.extend(installed)
+            active.pending.discard(module_name)
+            copies = [c for i in installed for c in i.cached_copies]
+            if copies:
+                STATE.event(f"{active.spec.id}: cached copies bypass the patch: {', '.join(copies)}")
+                LOG.warning("patch %s: cached copies bypass it: %s", active.spec.id, ", ".join(copies))
+            status = "applied" if not active.pending else "armed"
+            STATE.set_patch(
+                active.spec.id, status,
+                targets=sorted({i.where for i in active.installed}),
+                pending_modules=sorted(active.pending),
+            )
+            if status == "applied":
+                STATE.write()
+
+    return hook
+
+
+def register() -> None:
+    """Apply the registry in this process. Re-entrant and idempotent."""
+    t0 = time.perf_counter()
+    with _LOCK:
+        STATE.register_calls += 1
+        if STATE.registered:
+            LOG.debug("register() called again in pid %d: already applied, nothing to do", STATE.pid)
+            return
+        setup_logging()
+        settings.validate_all()
+        strict = settings.value("VLLM_OVERLAY_STRICT")
+        inst = versions.installed_vllm()
+        STATE.vllm_version = inst.version if inst else None
+        STATE.platform = inst.platform if inst else None
+        decisions = decide(vllm=inst)
+        STATE.registered = True
+        for d in decisions:
+            if d.status != "planned":
+                STATE.set_patch(d.spec.id, d.status, reason=d.reason)
+                if d.status == "skipped":  # wanted, but cannot apply here
+                    if strict:
+                        raise StrictModeError(
+                            f"VLLM_OVERLAY_STRICT=1: patch {d.spec.id!r} cannot apply: {d.reason}"
+                        )
+                    LOG.warning("patch %s skipped: %s", d.spec.id, d.reason)
+                continue
+            module = dict((s.id, m) for s, m in registry())[d.spec.id]
+            active = Active(d.spec, module, pending=set(module.MODULES(inst.version)))
+            _ACTIVE[d.spec.id] = active
+            STATE.set_patch(d.spec.id, "armed", reason=d.reason, pending_modules=sorted(active.pending))
+            for module_name in sorted(active.pending):
+                try:
+                    wrapmech.when_imported(module_name, _make_hook(active, module_name, strict))
+                except OverlayError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - importing the target failed
+                    _fail(active, exc, strict)
+                    break
+        STATE.load_apply_s = time.perf_counter() - t0
+        STATE.write()
+        STATE.log_summary()
+
+
+def revert() -> None:
+    """Take every applied patch off in this process and forget the registration."""
+    with _LOCK:
+        for pid in reversed(list(_ACTIVE)):
+            active = _ACTIVE[pid]
+            active.live = False
+            for inst in reversed(active.installed):
+                inst.undo()
+            active.installed.clear()
+            if hasattr(active.module, "on_revert"):
+                active.module.on_revert()
+            STATE.set_patch(pid, "reverted")
+        _ACTIVE.clear()
+        if STATE.registered:
+            STATE.write()
+        STATE.registered = False

@@ -1,0 +1,115 @@
+"""In-memory source rewrite, the last resort for code that cannot be wrapped.
+
+The pristine source of the target function is read from the installed vLLM file (located with
+``ast``, so the same bytes are hashed here and in the textual check against a wheel). The
+rewrite applies only if the sha256 of those lines equals the value recorded for this exact vLLM
+version and every anchor occurs exactly once. The new function is compiled against the live
+module globals and rebound; nothing is ever written to disk.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import importlib
+import inspect
+import textwrap
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_overlay.errors import AnchorError
+from vllm_overlay.mechanisms import wrap as wrapmech
+from vllm_overlay.spec import Rewrite
+
+
+@dataclass(frozen=True)
+class Located:
+    source: str  # the function's lines as in the file (indentation kept)
+    first_line: int
+
+
+def locate(file_text: str, qualname: str, where: str) -> Located:
+    """The lines of ``qualname`` (``Class.method`` or ``function``) in ``file_text``."""
+    tree = ast.parse(file_text)
+    body: list[ast.stmt] = tree.body
+    node: ast.AST | None = None
+    for part in qualname.split("."):
+        node = next(
+            (n for n in body if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+             and n.name == part),
+            None,
+        )
+        if node is None:
+            raise AnchorError(f"{where}: {qualname} not found in the source")
+        body = getattr(node, "body", [])
+    assert node is not None and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+    if node.decorator_list:
+        raise AnchorError(f"{where}: {qualname} is decorated; rewrite refuses decorated functions")
+    lines = file_text.splitlines(keepends=True)
+    end = node.end_lineno or node.lineno
+    return Located("".join(lines[node.lineno - 1 : end]), node.lineno)
+
+
+def sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def rewritten_source(rw: Rewrite, pristine: Located, where: str) -> str:
+    """Check hash and anchors; return the rewritten (dedented) function source."""
+    got = sha256(pristine.source)
+    if got != rw.sha256:
+        raise AnchorError(
+            f"{where}: pristine source hash mismatch for vLLM {rw.version}: recorded "
+            f"{rw.sha256[:16]}..., found {got[:16]}... (the installed file differs from vLLM "
+            f"{rw.version}'s; refusing to rewrite)"
+        )
+    text = textwrap.dedent(pristine.source)
+    for i, edit in enumerate(rw.edits):
+        count = text.count(edit.anchor)
+        if count != 1:
+            raise AnchorError(
+                f"{where}: anchor #{i + 1} occurs {count} times (expected exactly 1): "
+                f"{edit.anchor.strip().splitlines()[0]!r}"
+            )
+        text = text.replace(edit.anchor, edit.replacement)
+    return text
+
+
+def check_text(rw: Rewrite, file_text: str) -> str:
+    """Textual check of a rewrite against a file's text (no import). Returns the new source."""
+    where = f"{rw.target} (vLLM {rw.version})"
+    return rewritten_source(rw, locate(file_text, rw.target.qualname, where), where)
+
+
+def apply(rw: Rewrite, tag: str) -> wrapmech.Installed:
+    """Rewrite ``rw.target`` in memory and rebind it. ``tag`` names the patch in the code object."""
+    module = importlib.import_module(rw.target.module)
+    where = f"{rw.target} (vLLM {rw.version})"
+    owner, name, original = wrapmech.resolve(rw.target.module, rw.target.qualname)
+    func = inspect.unwrap(original) if callable(original) else original
+    code = getattr(func, "__code__", None)
+    if code is None:
+        raise AnchorError(f"{where}: not a plain function; cannot rewrite")
+    if code.co_freevars:
+        raise AnchorError(f"{where}: uses closure variables {code.co_freevars}; cannot rewrite")
+    file_name = module.__file__
+    assert file_name is not None
+    with open(file_name, encoding="utf-8") as f:
+        file_text = f.read()
+    pristine = locate(file_text, rw.target.qualname, where)
+    if code.co_firstlineno != pristine.first_line or code.co_filename != file_name:
+        raise AnchorError(
+            f"{where}: the live function is not the one in {file_name} (already replaced by "
+            "someone else?); refusing to rewrite"
+        )
+    new_source = rewritten_source(rw, pristine, where)
+    # keep line numbers close to the file's for tracebacks; the filename stays the real one
+    padded = "\n" * (pristine.first_line - 1) + new_source
+    namespace: dict[str, Any] = {}
+    exec(compile(padded, file_name, "exec"), module.__dict__, namespace)  # noqa: S102
+    new = namespace[name]
+    new.__qualname__ = func.__qualname__
+    new.__module__ = func.__module__
+    new.__doc__ = func.__doc__
+    new.__vllm_overlay__ = tag
+    return wrapmech.rebind(rw.target.module, rw.target.qualname, new)

@@ -1,0 +1,72 @@
+"""compile-cache-key: make vLLM's compile-cache key see the overlay's in-memory code changes."""
+
+from __future__ import annotations
+
+import hashlib
+from types import ModuleType
+from typing import Any
+
+from vllm_overlay import settings
+from vllm_overlay.mechanisms.wrap import Installed, wrap
+from vllm_overlay.spec import PatchSpec, Target
+
+MODULE = "vllm.config.vllm"
+QUALNAME = "VllmConfig.compute_hash"
+
+# settings that change what the patched, traced code does (buffer shapes, guards)
+TRACED_SETTINGS = (
+    "VLLM_OVERLAY_PREALLOC_TOKEN_BUDGET",
+    "VLLM_OVERLAY_GDN_MAX_BATCHED_TOKENS",
+    "VLLM_OVERLAY_TEST_BUFFER_ROWS",
+    "VLLM_OVERLAY_TEST_GUARD",
+)
+
+SPEC = PatchSpec(
+    id="compile-cache-key",
+    title="Mix the overlay's traced-code patches into vLLM's compile-cache key",
+    why=(
+        "vLLM caches compiled graphs under a key made from its config and the contents of the "
+        "traced source files on disk. An in-memory rewrite changes neither, so a graph compiled "
+        "with a patched forward is loaded by a later run without the patch (seen on the H200: "
+        "\"'GatedDeltaNetAttention' object has no attribute '_legacy_buf'\"), and the reverse. "
+        "This patch folds the ids of the live patches that change traced code, and the settings "
+        "that change what that code does, into VllmConfig.compute_hash(). With no such patch "
+        "live the key is exactly stock vLLM's, so an overlay-off run shares stock's cache."
+    ),
+    upstream="https://github.com/vllm-project/vllm/blob/v0.20.2/vllm/compilation/backends.py",
+    targets=(Target(MODULE, QUALNAME),),
+    mechanism="wrap",
+    vllm=">=0.20.2,<=0.32.0",
+    default=True,
+    retire_when="vLLM offers a hook for plugins to contribute to the compile-cache key.",
+    settings=TRACED_SETTINGS,
+)
+
+
+def MODULES(version: str) -> list[str]:  # noqa: N802 - part of the patch interface
+    return [MODULE]
+
+
+def overlay_factor() -> str:
+    """'' when no live patch changes traced code, else a stable digest of what does."""
+    from vllm_overlay.core import traced_code_digest_parts
+
+    parts = traced_code_digest_parts()
+    if not parts:
+        return ""
+    env = [f"{n}={settings.resolve(n).value!r}" for n in TRACED_SETTINGS]
+    from vllm_overlay import __version__
+
+    return hashlib.sha256("|".join([__version__, *parts, *env]).encode()).hexdigest()
+
+
+def _compute_hash(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    h = wrapped(*args, **kwargs)
+    factor = overlay_factor()
+    if not factor or not isinstance(h, str):
+        return h
+    return hashlib.sha256(f"{h}|vllm-overlay:{factor}".encode()).hexdigest()[: len(h)]
+
+
+def install(module_name: str, module: ModuleType) -> list[Installed]:
+    return [wrap(MODULE, QUALNAME, _compute_hash)]

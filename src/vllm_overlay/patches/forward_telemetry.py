@@ -1,0 +1,68 @@
+"""forward-telemetry: record the scheduled-token count of every model forward in the worker."""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+from vllm_overlay.mechanisms.wrap import Installed, wrap
+from vllm_overlay.patches._runner import RUNNER, RUNNER_MODULE, dummy_tokens, worker_rank
+from vllm_overlay.report import STATE
+from vllm_overlay.spec import PatchSpec, Target
+
+SPEC = PatchSpec(
+    id="forward-telemetry",
+    title="Forward-size telemetry in the worker",
+    why=(
+        "The bug this project exists for only happens when one forward lands in a narrow band of "
+        "sizes that ordinary benchmarks never reach. Nobody can tell whether a test exercised the "
+        "band unless every forward's scheduled-token count is recorded. This patch counts them "
+        "(exact counts per size, power-of-two buckets, min and max) in the worker's JSON report, "
+        "and separately the dummy forwards vLLM runs for profiling, warm-up and graph capture."
+    ),
+    upstream="https://github.com/vllm-project/vllm/blob/v0.20.2/vllm/v1/worker/gpu_model_runner.py",
+    targets=(
+        Target(RUNNER_MODULE, f"{RUNNER}.execute_model"),
+        Target(RUNNER_MODULE, f"{RUNNER}._dummy_run"),
+    ),
+    mechanism="wrap",
+    vllm=">=0.20.2,<=0.32.0",
+    default=True,
+    retire_when="vLLM exports per-forward scheduled-token counts itself (a metric or a hook).",
+    settings=("VLLM_OVERLAY_REPORT_DIR",),
+)
+
+
+def MODULES(version: str) -> list[str]:  # noqa: N802 - part of the patch interface
+    return [RUNNER_MODULE]
+
+
+def _note_rank() -> None:
+    if STATE.worker_rank is None:
+        STATE.worker_rank = worker_rank()
+
+
+def _execute_model(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    sched = kwargs.get("scheduler_output", args[0] if args else None)
+    n = int(getattr(sched, "total_num_scheduled_tokens", 0) or 0)
+    if n > 0:
+        _note_rank()
+        STATE.record_forward(n)
+    return wrapped(*args, **kwargs)
+
+
+def _dummy_run(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    n = dummy_tokens(args, kwargs)
+    _note_rank()
+    STATE.dummy_forwards.record(n)
+    if kwargs.get("is_profile"):
+        STATE.profile_forward_tokens.append(n)
+    STATE.dirty = True
+    return wrapped(*args, **kwargs)
+
+
+def install(module_name: str, module: ModuleType) -> list[Installed]:
+    return [
+        wrap(RUNNER_MODULE, f"{RUNNER}.execute_model", _execute_model),
+        wrap(RUNNER_MODULE, f"{RUNNER}._dummy_run", _dummy_run),
+    ]

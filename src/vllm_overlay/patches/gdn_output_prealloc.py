@@ -1,0 +1,239 @@
+"""gdn-output-prealloc: one persistent GDN output buffer, sized by construction, guarded outside
+compiled code.
+
+Stock vLLM allocates ``core_attn_out = torch.zeros((num_tokens, heads, head_dim))`` in every GDN
+layer on every forward. The reference patch tree replaced it with a buffer of a guessed size
+(4096 rows) sliced ``[:num_tokens]``; with max_num_batched_tokens 8192 that crashes at boot
+(profiling forward) or at runtime (band traffic), and its shape guard inside the compiled forward
+is decided once at trace time, so it protects nothing.
+
+Here the buffer has the rows the token-budget resolver gives (never fewer than the largest
+schedulable forward), is allocated when the layer is built (before vLLM's memory profiling, so
+it is counted), is shared by all GDN layers with the same (device, dtype, heads, head_dim), and
+is zeroed slice by slice like stock's ``torch.zeros``. The capacity guard runs in the model
+runner, in plain Python before the compiled model is entered, for real and dummy forwards alike:
+a forward larger than the buffer raises ``CapacityError`` naming both sizes and the budget's
+source, and is counted in the report; it never reaches a slice.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from types import ModuleType
+from typing import Any
+
+from vllm_overlay import budget, settings
+from vllm_overlay.errors import CapacityError
+from vllm_overlay.mechanisms import rewrite
+from vllm_overlay.mechanisms.wrap import Installed, wrap
+from vllm_overlay.patches._runner import RUNNER, RUNNER_MODULE, dummy_tokens, forward_tokens
+from vllm_overlay.report import LOG, STATE
+from vllm_overlay.spec import Edit, PatchSpec, Rewrite, Target
+
+ATTR = "_vllm_overlay_gdn_out"
+
+MOD_020 = "vllm.model_executor.layers.mamba.gdn_linear_attn"
+CLS_020 = "GatedDeltaNetAttention"
+MOD_032 = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn"
+CLS_032 = "QwenGatedDeltaNetAttention"
+
+_ZEROS = (
+    "core_attn_out = torch.zeros(\n"
+    "{i}    (num_tokens, self.num_v_heads // self.tp_size, self.head_v_dim),\n"
+    "{i}    dtype=hidden_states.dtype,\n"
+    "{i}    device=hidden_states.device,\n"
+    "{i})\n"
+)
+_SLICE = f"core_attn_out = self.{ATTR}[:num_tokens]\n{{i}}core_attn_out.zero_()\n"
+
+
+def _edit(lead: str, indent: str) -> Edit:
+    """Replace the zeros allocation that follows ``lead`` (kept) with a zeroed buffer slice."""
+    return Edit(
+        anchor=f"{indent}{lead}\n{indent}" + _ZEROS.format(i=indent),
+        replacement=f"{indent}{lead}\n{indent}" + _SLICE.format(i=indent),
+    )
+
+
+_MAIN = _edit("# see discussions in https://github.com/vllm-project/vllm/pull/28182", "    ")
+_FUSED = Edit(  # the allocation sits one level deeper, inside the if
+    anchor="    if use_fused_gdn_spec_decode:\n        " + _ZEROS.format(i="        "),
+    replacement="    if use_fused_gdn_spec_decode:\n        " + _SLICE.format(i="        "),
+)
+_CPU = _edit("num_tokens = hidden_states.size(0)", "    ")
+
+REWRITES = (
+    Rewrite(Target(MOD_020, f"{CLS_020}.forward_cuda", "==0.20.2"), "0.20.2",
+            "model_executor/layers/mamba/gdn_linear_attn.py",
+            "314bf317cb49a4f0a3e33ae6e03dfbacadd2527721f58d9b8977c9f840b291c4", (_MAIN,)),
+    Rewrite(Target(MOD_032, f"{CLS_032}.forward_cuda", "==0.32.0"), "0.32.0",
+            "model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py",
+            "4677edfe53828b96e1d00976ef4f3e9368d1b0ece2aeaa994b393369025c49fc", (_FUSED, _MAIN)),
+    Rewrite(Target(MOD_032, f"{CLS_032}.forward_cpu", "==0.32.0"), "0.32.0",
+            "model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py",
+            "087e254665af31d99d48002f126119ba1b420b469da281e6259da003efe6dabb", (_CPU,)),
+)
+
+SPEC = PatchSpec(
+    id="gdn-output-prealloc",
+    title="GDN output buffer sized by the token-budget resolver, guarded outside compiled code",
+    why=__doc__.split("\n\n")[1] + " " + __doc__.split("\n\n")[2],
+    upstream="https://github.com/vllm-project/vllm/pull/28182 (why the buffer must be zeroed)",
+    targets=(
+        Target(MOD_020, f"{CLS_020}.__init__", "==0.20.2"),
+        Target(MOD_020, f"{CLS_020}.forward_cuda", "==0.20.2"),
+        Target(MOD_032, f"{CLS_032}.__init__", "==0.32.0"),
+        Target(MOD_032, f"{CLS_032}.forward_cuda", "==0.32.0"),
+        Target(MOD_032, f"{CLS_032}.forward_cpu", "==0.32.0"),
+        Target(RUNNER_MODULE, f"{RUNNER}._model_forward"),
+        Target(RUNNER_MODULE, f"{RUNNER}._dummy_run"),
+    ),
+    mechanism="wrap+rewrite",
+    vllm=">=0.20.2,<=0.32.0",
+    default=True,
+    retire_when=(
+        "vLLM allocates the GDN output from a persistent buffer sized by max_num_batched_tokens "
+        "itself, or the per-forward torch.zeros shows no cost in bench/ (then turn it off)."
+    ),
+    requires=("compile-cache-key",),
+    settings=(
+        "VLLM_OVERLAY_PREALLOC_TOKEN_BUDGET", "VLLM_OVERLAY_GDN_MAX_BATCHED_TOKENS",
+        "VLLM_OVERLAY_STRICT", "VLLM_OVERLAY_TEST_BUFFER_ROWS", "VLLM_OVERLAY_TEST_GUARD",
+    ),
+    changes_traced_code=True,
+    rewrites=REWRITES,
+)
+
+
+def layer_class(version: str) -> tuple[str, str]:
+    return (MOD_020, CLS_020) if version.startswith("0.20.") else (MOD_032, CLS_032)
+
+
+def MODULES(version: str) -> list[str]:  # noqa: N802 - part of the patch interface
+    return [layer_class(version)[0], RUNNER_MODULE]
+
+
+# ---- the buffer pool -----------------------------------------------------------------------
+
+_lock = threading.Lock()
+_pool: dict[tuple[str, str, int, int], Any] = {}
+_layers: list[weakref.ref[Any]] = []
+_sizes: dict[tuple[str, str, int, int], dict[str, Any]] = {}
+
+
+def capacity() -> int | None:
+    """Rows of the smallest live buffer, or None when no GDN layer was built in this process."""
+    with _lock:
+        return min((int(t.shape[0]) for t in _pool.values()), default=None)
+
+
+def _rows() -> tuple[int, str]:
+    forced = settings.resolve("VLLM_OVERLAY_TEST_BUFFER_ROWS")
+    if forced.is_set:
+        LOG.warning(
+            "TEST ONLY: VLLM_OVERLAY_TEST_BUFFER_ROWS=%s forces the GDN buffer size, bypassing the "
+            "token-budget resolver", forced.value,
+        )
+        return int(forced.value), f"TEST {forced.source}"
+    b = budget.resolve("gdn-output")
+    return b.value, b.source
+
+
+def _attach(layer: Any) -> None:
+    import torch
+
+    heads = int(layer.num_v_heads // layer.tp_size)
+    dim = int(layer.head_v_dim)
+    cfg = budget.current_vllm_config()
+    dtype = cfg.model_config.dtype if cfg is not None else torch.get_default_dtype()
+    device = torch.get_default_device()
+    key = (str(device), str(dtype), heads, dim)
+    with _lock:
+        buf = _pool.get(key)
+        if buf is None:
+            rows, source = _rows()
+            buf = torch.zeros((rows, heads, dim), dtype=dtype, device=device)
+            _pool[key] = buf
+            info = {"key": list(key), "rows": rows, "source": source,
+                    "bytes": buf.numel() * buf.element_size(), "layers": 0}
+            _sizes[key] = info
+            STATE.buffers.append(info)
+            LOG.info("GDN output buffer %s: %d rows (%s), %.1f MiB shared by every GDN layer",
+                     key, rows, source, info["bytes"] / 2**20)
+        _sizes[key]["layers"] += 1
+        STATE.dirty = True
+        _layers.append(weakref.ref(layer))
+    object.__setattr__(layer, ATTR, buf)
+
+
+def _init(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    result = wrapped(*args, **kwargs)
+    _attach(instance)
+    return result
+
+
+def check(num_tokens: int | None, where: str) -> None:
+    """The capacity guard: plain Python, before any compiled code sees the forward."""
+    if num_tokens is None or not settings.value("VLLM_OVERLAY_TEST_GUARD"):
+        return
+    cap = capacity()
+    if cap is None:
+        return
+    STATE.counters["guard_checks"] += 1
+    if num_tokens > cap:
+        STATE.count("guard_trips")
+        info = next(iter(_sizes.values()))
+        STATE.event(f"guard trip: {where} of {num_tokens} tokens > buffer {cap} rows")
+        STATE.write()
+        raise CapacityError(
+            f"vllm-overlay: a {where} of {num_tokens} tokens exceeds the GDN output buffer of "
+            f"{cap} rows (size from {info['source']}); refusing to run it rather than slice past "
+            f"the buffer. Set VLLM_OVERLAY_PREALLOC_TOKEN_BUDGET >= {num_tokens} or unset "
+            "VLLM_OVERLAY_TEST_BUFFER_ROWS."
+        )
+
+
+def _model_forward(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    check(forward_tokens(args, kwargs), "forward")
+    return wrapped(*args, **kwargs)
+
+
+def _dummy_run(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    check(dummy_tokens(args, kwargs), "profile forward" if kwargs.get("is_profile") else "dummy forward")
+    return wrapped(*args, **kwargs)
+
+
+def install(module_name: str, module: ModuleType) -> list[Installed]:
+    from vllm_overlay.versions import installed_vllm
+
+    inst = installed_vllm()
+    assert inst is not None
+    if module_name == RUNNER_MODULE:
+        return [
+            wrap(RUNNER_MODULE, f"{RUNNER}._model_forward", _model_forward),
+            wrap(RUNNER_MODULE, f"{RUNNER}._dummy_run", _dummy_run),
+        ]
+    mod, cls = layer_class(inst.version)
+    out: list[Installed] = []
+    try:
+        for rw in REWRITES:
+            if rw.version == inst.version:
+                out.append(rewrite.apply(rw, SPEC.id))
+        out.append(wrap(mod, f"{cls}.__init__", _init))
+    except Exception:
+        for done in reversed(out):
+            done.undo()
+        raise
+    return out
+
+
+def on_revert() -> None:
+    with _lock:
+        for ref in _layers:
+            layer = ref()
+            if layer is not None and ATTR in layer.__dict__:
+                del layer.__dict__[ATTR]
+        _layers.clear()
+        _pool.clear()
+        _sizes.clear()

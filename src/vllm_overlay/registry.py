@@ -1,0 +1,10 @@
+"""The registry: one module per patch, in the order they apply (later ones wrap outside
+earlier ones, so a patch listed later sees calls first)."""
+
+PATCH_MODULES: tuple[str, ...] = (
+    "vllm_overlay.patches.forward_telemetry",
+    "vllm_overlay.patches.compile_cache_key",
+    "vllm_overlay.patches.gdn_output_prealloc",
+    "vllm_overlay.patches.profile_run_cap",
+    "vllm_overlay.patches.prefill_chunk_clamp",
+)

@@ -1,0 +1,228 @@
+"""Per-process state and its JSON report: one file per process, one summary line in the log.
+
+The report says, per patch, what happened in this process (applied, armed until its module is
+imported, skipped with the reason, upstream-merged, off, failed with the error), plus budget
+resolutions, guard trips and forward telemetry. It is written at register(), whenever a patch
+state changes, by a background flusher while telemetry is dirty, at exit, and on demand
+(``vllm_overlay.flush()``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import multiprocessing
+import os
+import socket
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+from vllm_overlay import settings
+from vllm_overlay.telemetry import Histogram
+
+LOG = logging.getLogger("vllm_overlay")
+SCHEMA = 1
+FLUSH_EVERY_S = 1.0
+
+
+def setup_logging() -> None:
+    if getattr(LOG, "_overlay_configured", False):
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [vllm-overlay] %(message)s",
+                                           "%m-%d %H:%M:%S"))
+    LOG.addHandler(handler)
+    LOG.setLevel(logging.INFO)
+    LOG.propagate = False
+    LOG._overlay_configured = True  # type: ignore[attr-defined]
+
+
+class ProcessState:
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.reset()
+
+    def reset(self) -> None:
+        self.pid = os.getpid()
+        self.started = time.time()
+        self.registered = False
+        self.register_calls = 0
+        self.load_apply_s: float | None = None
+        self.vllm_version: str | None = None
+        self.platform: str | None = None
+        self.patches: dict[str, dict[str, Any]] = {}
+        self.budgets: list[dict[str, Any]] = []
+        self.counters: dict[str, int] = {"guard_checks": 0, "guard_trips": 0}
+        self.events: list[str] = []
+        self.forwards = Histogram()
+        self.dummy_forwards = Histogram()
+        self.profile_forward_tokens: list[int] = []
+        self.worker_rank: int | None = None
+        self.buffers: list[dict[str, Any]] = []
+        self.dirty = False
+        self.forked_from: int | None = None
+        self.summary_logged = False
+
+    # ---- state changes -------------------------------------------------------------------
+    def set_patch(self, patch_id: str, status: str, **fields: Any) -> None:
+        with self.lock:
+            rec = self.patches.setdefault(patch_id, {})
+            rec.update(fields)
+            rec["status"] = status
+            self.dirty = True
+
+    def event(self, text: str) -> None:
+        with self.lock:
+            self.events.append(text)
+            self.dirty = True
+
+    def count(self, key: str, n: int = 1) -> None:
+        with self.lock:
+            self.counters[key] = self.counters.get(key, 0) + n
+            self.dirty = True
+
+    def record_forward(self, n: int) -> None:
+        self.forwards.record(n)
+        self.dirty = True
+        _ensure_flusher()
+
+    # ---- identity ------------------------------------------------------------------------
+    def role(self) -> str:
+        name = multiprocessing.current_process().name
+        title = ""
+        try:
+            import setproctitle  # type: ignore[import-not-found]
+
+            title = setproctitle.getproctitle()
+        except Exception:  # noqa: BLE001 - optional, role falls back to the process name
+            pass
+        parts = []
+        if "EngineCore" in name or "EngineCore" in title:
+            parts.append("engine core")
+        if self.worker_rank is not None:
+            parts.append(f"worker rank {self.worker_rank}")
+        if parts:
+            return " + ".join(parts)
+        if "Worker" in name or "Worker" in title:
+            return "worker"
+        if "APIServer" in title or "APIServer" in name or (len(sys.argv) > 1 and sys.argv[1] == "serve"):
+            return "api server"
+        return "driver"
+
+    def counts(self) -> dict[str, int]:
+        out = {"applied": 0, "armed": 0, "skipped": 0, "off": 0, "upstream-merged": 0, "failed": 0}
+        for rec in self.patches.values():
+            out[rec["status"]] = out.get(rec["status"], 0) + 1
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        with self.lock:
+            return {
+                "schema": SCHEMA,
+                "pid": self.pid,
+                "forked_from": self.forked_from,
+                "host": socket.gethostname(),
+                "role": self.role(),
+                "argv": sys.argv[:4],
+                "started": self.started,
+                "written": time.time(),
+                "vllm_version": self.vllm_version,
+                "platform": self.platform,
+                "register_calls": self.register_calls,
+                "load_apply_s": self.load_apply_s,
+                "counts": self.counts(),
+                "patches": self.patches,
+                "budgets": self.budgets,
+                "buffers": self.buffers,
+                "counters": self.counters,
+                "events": self.events[-200:],
+                "telemetry": {
+                    "forwards": self.forwards.to_json(),
+                    "dummy_forwards": self.dummy_forwards.to_json(),
+                    "profile_forward_tokens": self.profile_forward_tokens,
+                },
+            }
+
+    # ---- output --------------------------------------------------------------------------
+    def report_path(self) -> str:
+        directory = settings.value("VLLM_OVERLAY_REPORT_DIR")
+        return os.path.join(directory, f"overlay-{os.getpid()}.json")
+
+    def write(self) -> str | None:
+        try:
+            path = self.report_path()
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            data = json.dumps(self.to_json(), indent=1, sort_keys=True)
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".overlay-", suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                f.write(data)
+            os.replace(tmp, path)
+            self.dirty = False
+            return path
+        except Exception as exc:  # noqa: BLE001 - a report failure must not kill serving
+            LOG.warning("could not write the report: %s", exc)
+            return None
+
+    def log_summary(self) -> None:
+        c = self.counts()
+        path = self.report_path()
+        LOG.info(
+            "pid %d role %s: %d applied, %d armed (module not imported yet), %d skipped, "
+            "%d off, %d upstream-merged, %d failed; report %s",
+            self.pid, self.role(), c["applied"], c["armed"], c["skipped"], c["off"],
+            c["upstream-merged"], c["failed"], path,
+        )
+
+
+STATE = ProcessState()
+
+_flusher_lock = threading.Lock()
+_flusher: threading.Thread | None = None
+
+
+def _flush_loop() -> None:
+    while True:
+        time.sleep(FLUSH_EVERY_S)
+        if STATE.dirty:
+            STATE.write()
+
+
+def _ensure_flusher() -> None:
+    global _flusher
+    if _flusher is not None and _flusher.is_alive():
+        return
+    with _flusher_lock:
+        if _flusher is None or not _flusher.is_alive():
+            _flusher = threading.Thread(target=_flush_loop, name="vllm-overlay-flush", daemon=True)
+            _flusher.start()
+
+
+def flush() -> str | None:
+    """Write this process's report now; returns its path."""
+    return STATE.write()
+
+
+def _after_fork_in_child() -> None:
+    global _flusher
+    parent = STATE.pid
+    patches, version, platform = dict(STATE.patches), STATE.vllm_version, STATE.platform
+    registered = STATE.registered
+    STATE.lock = threading.RLock()
+    STATE.reset()
+    STATE.forked_from = parent
+    STATE.patches, STATE.vllm_version, STATE.platform = patches, version, platform
+    STATE.registered = registered
+    _flusher = None
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+@atexit.register
+def _at_exit() -> None:
+    if STATE.registered:
+        STATE.write()

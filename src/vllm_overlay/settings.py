@@ -1,0 +1,221 @@
+"""Every environment variable vllm-overlay reads, declared in one place.
+
+Each setting has a name, a parser, a default, the accepted range in words, a help text and
+its legacy aliases. Values are read from the environment on every call (no cache), so tests
+and the CLI see exactly what a vLLM process would see. A bad value raises ``SettingError``
+naming the variable, the value and what is accepted; an alias set to a value different from
+its primary's is an error naming both.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_overlay.errors import SettingError
+
+TOKEN_MAX = 1_048_576
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    parse: Callable[[str], Any]
+    default: Any
+    accepted: str
+    help: str
+    aliases: tuple[str, ...] = ()
+    test_only: bool = False
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A setting's value and where it came from ("env NAME", "alias NAME" or "default")."""
+
+    setting: Setting
+    value: Any
+    source: str
+    raw: str | None
+
+    @property
+    def is_set(self) -> bool:
+        return self.source != "default"
+
+
+def _int_range(lo: int, hi: int | None) -> Callable[[str], int]:
+    def parse(raw: str) -> int:
+        text = raw.strip()
+        if not text.lstrip("-").isdigit():
+            raise ValueError
+        value = int(text)
+        if value < lo or (hi is not None and value > hi):
+            raise ValueError
+        return value
+
+    return parse
+
+
+def _bool(raw: str) -> bool:
+    text = raw.strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError
+
+
+def _id_list(raw: str) -> tuple[str, ...]:
+    items = tuple(part.strip() for part in raw.split(",") if part.strip())
+    for item in items:
+        if not all(c.isalnum() or c == "-" for c in item):
+            raise ValueError
+    return items
+
+
+def _path(raw: str) -> str:
+    if not raw.strip():
+        raise ValueError
+    return os.path.abspath(os.path.expanduser(raw.strip()))
+
+
+def default_report_dir() -> str:
+    return os.path.join(tempfile.gettempdir(), "vllm-overlay-reports")
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting(
+        "VLLM_OVERLAY", _bool, True, "1 or 0 (also true/false, yes/no, on/off)",
+        "Master switch. 0 applies no patch at all, default-on ones included; the report "
+        "still says so.",
+    ),
+    Setting(
+        "VLLM_OVERLAY_ENABLE", _id_list, (), "comma-separated patch ids (see `vllm-overlay plan`)",
+        "Turn on patches that are off by default. An unknown id is an error listing the known ids.",
+    ),
+    Setting(
+        "VLLM_OVERLAY_DISABLE", _id_list, (), "comma-separated patch ids (see `vllm-overlay plan`)",
+        "Turn off patches, default-on ones included. Wins over VLLM_OVERLAY_ENABLE.",
+    ),
+    Setting(
+        "VLLM_OVERLAY_STRICT", _bool, False, "1 or 0",
+        "1: an enabled patch that cannot apply stops start-up with one clear error, and a token "
+        "budget below the largest schedulable forward is refused instead of raised. 0: such a "
+        "patch is skipped with one WARNING line naming it and the reason.",
+    ),
+    Setting(
+        "VLLM_OVERLAY_REPORT_DIR", _path, None, "a directory path (created if missing)",
+        "Where each process writes its JSON report. Default: vllm-overlay-reports under the "
+        "system temp dir (printed in the log).",
+    ),
+    Setting(
+        "VLLM_OVERLAY_PREALLOC_TOKEN_BUDGET", _int_range(1, TOKEN_MAX), None,
+        f"an integer in [1, {TOKEN_MAX}]",
+        "Token rows of every preallocated buffer. Overrides VLLM_OVERLAY_GDN_MAX_BATCHED_TOKENS "
+        "and the live max_num_batched_tokens. A value below the largest forward the engine can "
+        "schedule is raised to that size with a WARNING (refused under VLLM_OVERLAY_STRICT=1).",
+        aliases=("GENESIS_PREALLOC_TOKEN_BUDGET",),
+    ),
+    Setting(
+        "VLLM_OVERLAY_GDN_MAX_BATCHED_TOKENS", _int_range(1, TOKEN_MAX), None,
+        f"an integer in [1, {TOKEN_MAX}]",
+        "Token rows of the GDN buffers when VLLM_OVERLAY_PREALLOC_TOKEN_BUDGET is unset. Same "
+        "floor as above.",
+        aliases=("GENESIS_GDN_MAX_BATCHED_TOKENS",),
+    ),
+    Setting(
+        "VLLM_OVERLAY_PROFILE_RUN_CAP", _int_range(0, TOKEN_MAX), 0,
+        f"an integer in [0, {TOKEN_MAX}] (0 disables the cap)",
+        "Caps the token count of vLLM's memory-profiling dummy forward only; never a buffer size. "
+        "Activations of forwards above the cap are then not profiled, so KV cache may be sized "
+        "too large. The overlay's own buffer sizing makes the cap unnecessary for the GDN boot "
+        "crash it was invented for; use it only to shorten profiling.",
+        aliases=("GENESIS_PROFILE_RUN_CAP_M",),
+    ),
+    Setting(
+        "VLLM_OVERLAY_PREFILL_CHUNK_CLAMP", _int_range(0, TOKEN_MAX), 0,
+        f"an integer in [0, {TOKEN_MAX}] (0 disables the clamp)",
+        "Bounds one request's prefill chunk per step (vLLM's long_prefill_token_threshold). It "
+        "does not bound a forward's total: co-scheduled requests still push a forward up to "
+        "max_num_batched_tokens.",
+    ),
+    Setting(
+        "VLLM_OVERLAY_TEST_BUFFER_ROWS", _int_range(1, TOKEN_MAX), None,
+        f"an integer in [1, {TOKEN_MAX}]",
+        "TEST ONLY. Forces the GDN buffer to this many rows, bypassing the resolver and its floor, "
+        "to reproduce the legacy bug or prove the capacity guard. Never set it in production.",
+        test_only=True,
+    ),
+    Setting(
+        "VLLM_OVERLAY_TEST_GUARD", _bool, True, "1 or 0",
+        "TEST ONLY. 0 disables the capacity guard, so an undersized buffer reaches the compiled "
+        "forward as in the legacy patch tree. Never set it in production.",
+        test_only=True,
+    ),
+)
+
+BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
+
+
+def _parse(setting: Setting, name: str, raw: str) -> Any:
+    try:
+        return setting.parse(raw)
+    except ValueError:
+        raise SettingError(f"{name}={raw!r}: expected {setting.accepted}") from None
+
+
+def resolve(name: str, environ: Mapping[str, str] | None = None) -> Resolved:
+    """Value and source of one setting, read from ``environ`` (default: os.environ)."""
+    env = os.environ if environ is None else environ
+    setting = BY_NAME[name]
+    found: list[tuple[str, str, Any]] = []
+    for key in (setting.name, *setting.aliases):
+        raw = env.get(key)
+        if raw is None or raw == "":
+            continue
+        found.append((key, raw, _parse(setting, key, raw)))
+    if not found:
+        value = setting.default
+        if name == "VLLM_OVERLAY_REPORT_DIR" and value is None:
+            value = default_report_dir()
+        return Resolved(setting, value, "default", None)
+    key, raw, value = found[0]
+    for other_key, other_raw, other_value in found[1:]:
+        if other_value != value:
+            raise SettingError(
+                f"{key}={raw!r} and its alias {other_key}={other_raw!r} disagree: "
+                f"set one of them, or both to the same value"
+            )
+    source = f"env {key}" if key == setting.name else f"alias {key}"
+    return Resolved(setting, value, source, raw)
+
+
+def value(name: str, environ: Mapping[str, str] | None = None) -> Any:
+    return resolve(name, environ).value
+
+
+def snapshot(environ: Mapping[str, str] | None = None) -> list[tuple[Setting, Resolved | SettingError]]:
+    """Every setting with its resolution or the error it raises (for `doctor`)."""
+    rows: list[tuple[Setting, Resolved | SettingError]] = []
+    for setting in SETTINGS:
+        try:
+            rows.append((setting, resolve(setting.name, environ)))
+        except SettingError as exc:
+            rows.append((setting, exc))
+    return rows
+
+
+def validate_all(environ: Mapping[str, str] | None = None) -> None:
+    """Raise the first SettingError among all settings (called by register())."""
+    for setting in SETTINGS:
+        resolve(setting.name, environ)
+    env = os.environ if environ is None else environ
+    known = set(BY_NAME) | {a for s in SETTINGS for a in s.aliases}
+    for key in env:
+        if key.startswith("VLLM_OVERLAY") and key not in known:
+            raise SettingError(
+                f"{key}={env[key]!r}: unknown vllm-overlay setting; known settings: "
+                + ", ".join(s.name for s in SETTINGS)
+            )

@@ -1,0 +1,57 @@
+"""Forward-size histogram: exact counts per scheduled-token size, plus power-of-two buckets."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+
+def bucket_of(n: int) -> str:
+    """Power-of-two bucket label "(lo, hi]" holding ``n`` (n >= 1)."""
+    hi = 1
+    while hi < n:
+        hi *= 2
+    lo = hi // 2
+    return f"({lo}, {hi}]" if hi > 1 else "(0, 1]"
+
+
+class Histogram:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.sizes: dict[int, int] = {}
+        self.count = 0
+        self.tokens = 0
+        self.min: int | None = None
+        self.max: int | None = None
+
+    def record(self, n: int) -> None:
+        with self._lock:
+            self.sizes[n] = self.sizes.get(n, 0) + 1
+            self.count += 1
+            self.tokens += n
+            self.min = n if self.min is None else min(self.min, n)
+            self.max = n if self.max is None else max(self.max, n)
+
+    def to_json(self) -> dict[str, Any]:
+        with self._lock:
+            buckets: dict[str, int] = {}
+            for size in sorted(self.sizes):
+                label = bucket_of(size)
+                buckets[label] = buckets.get(label, 0) + self.sizes[size]
+            return {
+                "count": self.count,
+                "tokens": self.tokens,
+                "min": self.min,
+                "max": self.max,
+                "sizes": {str(k): self.sizes[k] for k in sorted(self.sizes)},
+                "buckets": buckets,
+            }
+
+
+def merge_sizes(reports: list[dict[str, Any]], key: str = "forwards") -> dict[int, int]:
+    """Sum the exact size counts of ``key`` over several process reports."""
+    total: dict[int, int] = {}
+    for rep in reports:
+        for size, count in ((rep.get("telemetry") or {}).get(key) or {}).get("sizes", {}).items():
+            total[int(size)] = total.get(int(size), 0) + int(count)
+    return total

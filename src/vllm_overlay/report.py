@@ -62,6 +62,7 @@ class ProcessState:
         self.dummy_forwards = Histogram()
         self.profile_forward_tokens: list[int] = []
         self.worker_rank: int | None = None
+        self.engine_config: dict[str, Any] = {}
         self.buffers: list[dict[str, Any]] = []
         self.dirty = False
         self.forked_from: int | None = None
@@ -138,6 +139,7 @@ class ProcessState:
                 "patches": self.patches,
                 "budgets": self.budgets,
                 "buffers": self.buffers,
+                "engine_config": self.engine_config,
                 "counters": self.counters,
                 "events": self.events[-200:],
                 "telemetry": {

@@ -22,6 +22,7 @@ SPEC = PatchSpec(
     ),
     upstream="https://github.com/vllm-project/vllm/blob/v0.20.2/vllm/v1/worker/gpu_model_runner.py",
     targets=(
+        Target(RUNNER_MODULE, f"{RUNNER}.__init__"),
         Target(RUNNER_MODULE, f"{RUNNER}.execute_model"),
         Target(RUNNER_MODULE, f"{RUNNER}._dummy_run"),
     ),
@@ -37,23 +38,33 @@ def MODULES(version: str) -> list[str]:  # noqa: N802 - part of the patch interf
     return [RUNNER_MODULE]
 
 
-def _note_rank() -> None:
-    if STATE.worker_rank is None:
-        STATE.worker_rank = worker_rank()
+def _note_runner(runner: Any) -> None:
+    if STATE.engine_config:
+        return
+    STATE.worker_rank = worker_rank()
+    try:
+        STATE.engine_config = {
+            "max_num_batched_tokens": int(runner.scheduler_config.max_num_batched_tokens),
+            "max_num_seqs": int(runner.scheduler_config.max_num_seqs),
+            "max_model_len": int(runner.model_config.max_model_len),
+            "model": str(runner.model_config.model),
+        }
+    except Exception:  # noqa: BLE001 - a runner without these fields: leave it empty
+        STATE.engine_config = {"unknown": True}
 
 
 def _execute_model(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     sched = kwargs.get("scheduler_output", args[0] if args else None)
     n = int(getattr(sched, "total_num_scheduled_tokens", 0) or 0)
     if n > 0:
-        _note_rank()
+        _note_runner(instance)
         STATE.record_forward(n)
     return wrapped(*args, **kwargs)
 
 
 def _dummy_run(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     n = dummy_tokens(args, kwargs)
-    _note_rank()
+    _note_runner(instance)
     STATE.dummy_forwards.record(n)
     if kwargs.get("is_profile"):
         STATE.profile_forward_tokens.append(n)
@@ -61,8 +72,16 @@ def _dummy_run(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[
     return wrapped(*args, **kwargs)
 
 
+def _init(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    result = wrapped(*args, **kwargs)
+    _note_runner(instance)
+    STATE.write()  # the live limits are visible to the harness before any traffic
+    return result
+
+
 def install(module_name: str, module: ModuleType) -> list[Installed]:
     return [
+        wrap(RUNNER_MODULE, f"{RUNNER}.__init__", _init),
         wrap(RUNNER_MODULE, f"{RUNNER}.execute_model", _execute_model),
         wrap(RUNNER_MODULE, f"{RUNNER}._dummy_run", _dummy_run),
     ]

@@ -1,0 +1,35 @@
+"""`vllm-overlay` entry point: plan, verify, doctor, report, stress, demo."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from vllm_overlay.errors import OverlayError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from vllm_overlay.cli import demo, doctor, plan, report, stress, verify
+
+    parser = argparse.ArgumentParser(
+        prog="vllm-overlay",
+        description="Declared, reversible in-memory patches for vLLM hybrid (GDN) models.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for mod in (plan, verify, doctor, report, stress, demo):
+        mod.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except OverlayError as exc:
+        print(f"vllm-overlay: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""`vllm-overlay report DIR`: pretty-print the JSON reports of a run."""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from vllm_overlay.errors import OverlayError
+from vllm_overlay.telemetry import bucket_of, merge_sizes
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("report", help="pretty-print the JSON reports in DIR")
+    p.add_argument("dir", metavar="DIR", help="a VLLM_OVERLAY_REPORT_DIR")
+    p.set_defaults(func=run)
+
+
+def load(directory: str, since: float | None = None) -> list[dict[str, Any]]:
+    if not os.path.isdir(directory):
+        raise OverlayError(f"report DIR {directory!r}: not a directory")
+    out = []
+    for path in sorted(glob.glob(os.path.join(directory, "overlay-*.json"))):
+        try:
+            with open(path) as f:
+                rep = json.load(f)
+        except (OSError, ValueError):
+            continue  # being replaced right now; the next read sees it
+        if since is not None and rep.get("written", 0) < since:
+            continue
+        rep["_path"] = path
+        out.append(rep)
+    return out
+
+
+def print_reports(console: Console, reports: list[dict[str, Any]]) -> None:
+    procs = Table(title="processes")
+    for col in ("pid", "role", "vLLM", "applied", "armed", "skipped", "off", "failed", "load+apply",
+                "forwards", "min", "max", "guard trips"):
+        procs.add_column(col)
+    for r in reports:
+        c, fw = r["counts"], r["telemetry"]["forwards"]
+        procs.add_row(str(r["pid"]), r["role"], str(r["vllm_version"]), str(c["applied"]), str(c["armed"]),
+                      str(c["skipped"]), str(c["off"]), str(c["failed"]),
+                      f"{(r.get('load_apply_s') or 0) * 1000:.0f} ms", str(fw["count"]),
+                      str(fw["min"]), str(fw["max"]), str(r["counters"].get("guard_trips", 0)))
+    console.print(procs)
+    patches = Table(title="patches (per process)")
+    for col in ("patch", "status", "processes", "reason"):
+        patches.add_column(col, overflow="fold")
+    seen: dict[tuple[str, str, str], list[str]] = {}
+    for r in reports:
+        for pid, rec in r["patches"].items():
+            seen.setdefault((pid, rec["status"], rec.get("reason", "")), []).append(r["role"])
+    for (pid, status, reason), roles in sorted(seen.items()):
+        patches.add_row(pid, status, ", ".join(sorted(set(roles))), reason)
+    console.print(patches)
+    sizes = merge_sizes(reports)
+    if sizes:
+        buckets: dict[str, int] = {}
+        order: list[str] = []
+        for size in sorted(sizes):
+            label = bucket_of(size)
+            if label not in buckets:
+                order.append(label)
+            buckets[label] = buckets.get(label, 0) + sizes[size]
+        hist = Table(title="forwards by scheduled tokens (all workers)")
+        hist.add_column("bucket")
+        hist.add_column("forwards", justify="right")
+        for label in order:
+            hist.add_row(label, str(buckets[label]))
+        console.print(hist)
+    for r in reports:
+        for b in r.get("buffers", []):
+            console.print(f"pid {r['pid']}: GDN buffer {b['key']} {b['rows']} rows from {b['source']} "
+                          f"({b['bytes'] / 2**20:.1f} MiB, {b['layers']} layers)")
+        for e in r.get("events", [])[-10:]:
+            console.print(f"pid {r['pid']}: {e}")
+
+
+def run(args: argparse.Namespace) -> int:
+    reports = load(args.dir)
+    console = Console()
+    if not reports:
+        console.print(f"[red]no overlay-*.json report in {args.dir}[/]: was the overlay installed in the "
+                      "vLLM environment and VLLM_OVERLAY_REPORT_DIR set to this directory?")
+        return 1
+    print_reports(console, reports)
+    return 0

@@ -1,0 +1,94 @@
+"""Offline mode: an in-process vLLM engine (with the overlay), driven step by step."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+from vllm_overlay.stress.plan import Plan
+from vllm_overlay.stress.traffic import prompt
+from vllm_overlay.stress.verdict import Outcome
+
+
+def build_engine(model: str, engine_args: dict[str, Any]) -> Any:
+    from vllm import LLM
+
+    kwargs = dict(engine_args)
+    kwargs.setdefault("skip_tokenizer_init", True)
+    if os.path.isfile(os.path.join(model, "config.json")) and not any(
+        os.path.exists(os.path.join(model, f)) for f in ("model.safetensors", "model.safetensors.index.json",
+                                                         "pytorch_model.bin")
+    ):
+        kwargs.setdefault("load_format", "dummy")  # a config-only model directory
+    return LLM(model=model, **kwargs)
+
+
+def vocab_size(llm: Any) -> int:
+    try:
+        return int(llm.llm_engine.model_config.get_vocab_size())
+    except Exception:  # noqa: BLE001
+        return 4096
+
+
+def run(llm: Any, plan: Plan, duration_s: float | None, seed: int,
+        progress: Callable[[int, int], None]) -> Outcome:
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    vocab = vocab_size(llm)
+    rng = random.Random(seed)
+    out = Outcome()
+    decode_tokens = plan.waves * (plan.prefill_out_tokens + 2) + 8
+    dec_params = SamplingParams(max_tokens=decode_tokens, temperature=0, ignore_eos=True, detokenize=False)
+    pre_params = SamplingParams(max_tokens=plan.prefill_out_tokens, temperature=0, ignore_eos=True,
+                                detokenize=False)
+    submitted: dict[str, float] = {}
+    first_token: dict[str, float] = {}
+    finished: set[str] = set()
+    wave_ids: set[str] = set()
+
+    def add(rid: str, n: int, params: Any) -> None:
+        engine.add_request(rid, {"prompt_token_ids": prompt(rng, n, vocab)}, params)
+        submitted[rid] = time.perf_counter()
+
+    def step() -> None:
+        for o in engine.step():
+            rid = o.request_id
+            toks = len(o.outputs[0].token_ids) if o.outputs else 0
+            if toks and rid not in first_token:
+                first_token[rid] = time.perf_counter()
+            if o.finished:
+                finished.add(rid)
+                out.generated_tokens += toks
+                if toks == 0:
+                    out.errors.append(f"{rid}: finished without a token")
+
+    t0 = time.perf_counter()
+    try:
+        for i in range(plan.decode_streams):
+            add(f"decode-{i}", 32, dec_params)
+        while any(f"decode-{i}" not in first_token for i in range(plan.decode_streams)):
+            step()
+        for w in range(plan.waves):
+            if duration_s is not None and time.perf_counter() - t0 > duration_s:
+                break
+            ids = [f"wave{w}-{j}" for j in range(plan.prefills_per_wave)]
+            for rid in ids:
+                add(rid, plan.prompt_tokens, pre_params)
+            wave_ids.update(ids)
+            while not all(rid in finished for rid in ids):
+                step()
+            progress(w + 1, plan.waves)
+        while engine.has_unfinished_requests():
+            step()
+    except Exception as exc:  # noqa: BLE001 - the engine died: that is the verdict
+        out.engine_error = f"{type(exc).__name__}: {exc}"
+    out.wall_s = time.perf_counter() - t0
+    out.ttft_s = [first_token[r] - submitted[r] for r in wave_ids if r in first_token]
+    out.requests_ok = sum(1 for r in submitted if r in finished)
+    out.requests_failed = len(submitted) - out.requests_ok if out.engine_error is None else \
+        len(submitted) - out.requests_ok
+    return out

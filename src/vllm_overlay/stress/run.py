@@ -1,0 +1,215 @@
+"""Run a stress: plan, print the plan, send traffic, read telemetry, judge, write outputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from vllm_overlay import settings
+from vllm_overlay.cli.report import load
+from vllm_overlay.stress import plan as planmod
+from vllm_overlay.stress.plot import forward_sizes_png
+from vllm_overlay.stress.verdict import BAD_USAGE, Outcome, judge, sizes_delta
+from vllm_overlay.telemetry import merge_sizes
+
+
+@dataclass
+class Options:
+    model: str | None = None
+    url: str | None = None
+    allow_remote: bool = False
+    band: tuple[int, int] | None = None
+    min_band_forwards: int = 10
+    requests: int | None = None
+    duration: float | None = None
+    out: str = "stress-out"
+    report_dir: str | None = None  # server mode: the server's VLLM_OVERLAY_REPORT_DIR
+    seed: int = 0
+    engine_args: dict[str, Any] = field(default_factory=dict)
+
+
+def default_band(mnbt: int) -> tuple[int, int]:
+    """(profile cap, or an explicit budget below mnbt, or mnbt // 2 ; mnbt]."""
+    cap = int(settings.value("VLLM_OVERLAY_PROFILE_RUN_CAP"))
+    if 0 < cap < mnbt:
+        return cap, mnbt
+    for name in ("VLLM_OVERLAY_PREALLOC_TOKEN_BUDGET", "VLLM_OVERLAY_GDN_MAX_BATCHED_TOKENS"):
+        r = settings.resolve(name)
+        if r.is_set and int(r.value) < mnbt:
+            return int(r.value), mnbt
+    return mnbt // 2, mnbt
+
+
+def summary_table(result: dict[str, Any]) -> Table:
+    t = Table(title=f"stress: {result['verdict']}")
+    t.add_column("measure")
+    t.add_column("value", justify="right")
+
+    def fmt(v: Any) -> str:
+        return "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))
+
+    lo, hi = result["band"]
+    for label, key in (
+        (f"band forwards in ({lo}, {hi}]", "band_forwards"), ("forwards (all)", "forwards"),
+        ("max forward size", "max_forward"), ("guard fallbacks (trips)", "guard_trips"),
+        ("requests ok", "requests_ok"), ("requests failed", "requests_failed"),
+        ("generated tokens/s", "tokens_per_s"), ("p50 TTFT of band prefills (s)", "ttft_p50_s"),
+        ("p99 TTFT of band prefills (s)", "ttft_p99_s"), ("wall (s)", "wall_s"),
+    ):
+        t.add_row(label, fmt(result.get(key)))
+    return t
+
+
+def execute(opts: Options, console: Console | None = None) -> dict[str, Any]:
+    """Run one stress; returns the result dict (``exit_code`` says the verdict)."""
+    console = console or Console()
+    os.makedirs(opts.out, exist_ok=True)
+    try:
+        return _execute(opts, console)
+    except planmod.UsageError as exc:
+        console.print(f"[red]bad usage[/]: {exc}")
+        return {"exit_code": BAD_USAGE, "verdict": "BAD USAGE", "why": str(exc)}
+
+
+def _limits_offline(engine_args: dict[str, Any]) -> planmod.Limits:
+    return planmod.Limits(
+        max_num_batched_tokens=int(engine_args.get("max_num_batched_tokens") or 8192),
+        max_model_len=int(engine_args.get("max_model_len") or 8192),
+        max_num_seqs=int(engine_args.get("max_num_seqs") or 64),
+        prefill_chunk_clamp=int(settings.value("VLLM_OVERLAY_PREFILL_CHUNK_CLAMP")),
+    )
+
+
+def _execute(opts: Options, console: Console) -> dict[str, Any]:
+    if bool(opts.model) == bool(opts.url):
+        raise planmod.UsageError("give exactly one of --model DIR (offline) or --url URL (server)")
+    if opts.min_band_forwards < 1:
+        raise planmod.UsageError(f"--min-band-forwards {opts.min_band_forwards}: expected an integer >= 1")
+    if opts.requests is not None and opts.requests < 1:
+        raise planmod.UsageError(f"--requests {opts.requests}: expected an integer >= 1")
+    if opts.duration is not None and opts.duration <= 0:
+        raise planmod.UsageError(f"--duration {opts.duration}: expected seconds > 0")
+    if opts.model:
+        if not os.path.isfile(os.path.join(opts.model, "config.json")):
+            raise planmod.UsageError(f"--model {opts.model!r}: no config.json in that directory")
+        limits = _limits_offline(opts.engine_args)
+        report_dir = os.path.abspath(os.path.join(opts.out, "reports"))
+    else:
+        from vllm_overlay.stress import server
+
+        base = server.check_url(opts.url or "", opts.allow_remote)
+        report_dir = opts.report_dir or settings.value("VLLM_OVERLAY_REPORT_DIR")
+        limits = server_limits(base, report_dir, opts.engine_args)
+    lo, hi = opts.band or default_band(limits.max_num_batched_tokens)
+    plan = planmod.make_plan(lo, hi, limits, opts.min_band_forwards, opts.requests)
+    console.print(f"[bold]plan[/]: {plan.describe()}")
+    console.print(f"limits: max_num_batched_tokens {limits.max_num_batched_tokens}, max_model_len "
+                  f"{limits.max_model_len}, max_num_seqs {limits.max_num_seqs}; reports: {report_dir}")
+
+    boot_s = None
+    since = time.time()
+    if opts.model:
+        from vllm_overlay.stress import offline
+
+        os.makedirs(report_dir, exist_ok=True)
+        os.environ["VLLM_OVERLAY_REPORT_DIR"] = report_dir  # inherited by the engine's processes
+        console.print(f"booting vLLM on {opts.model} ...")
+        t0 = time.perf_counter()
+        try:
+            llm = offline.build_engine(opts.model, opts.engine_args)
+        except Exception as exc:  # noqa: BLE001 - a failed boot is a failed run, with its error
+            outcome = Outcome(engine_error=f"boot failed: {type(exc).__name__}: {exc}")
+            llm = None
+        boot_s = time.perf_counter() - t0
+        before: dict[int, int] = {}
+    else:
+        before = merge_sizes(load(report_dir)) if os.path.isdir(report_dir) else {}
+
+    with Progress(TextColumn("[bold]band waves"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=False) as progress:
+        task = progress.add_task("waves", total=plan.waves)
+
+        def tick(done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total)
+
+        if opts.model:
+            if llm is not None:
+                outcome = offline.run(llm, plan, opts.duration, opts.seed, tick)
+                _shutdown(llm)
+        else:
+            from vllm_overlay.stress import server
+
+            outcome = server.run(base, plan, opts.duration, opts.seed, tick,
+                                 alive=lambda: server.health_error(base))
+    reports = _read_reports(report_dir, since if not opts.model else None)
+    sizes = sizes_delta(before, merge_sizes(reports))
+    result = judge(lo, hi, opts.min_band_forwards, sizes, outcome, reports)
+    budgets = [b["rows"] for r in reports for b in r.get("buffers", [])]
+    cap = int(settings.value("VLLM_OVERLAY_PROFILE_RUN_CAP")) or None
+    result.update({
+        "mode": "offline" if opts.model else "server",
+        "target": opts.model or opts.url,
+        "plan": plan.to_json(),
+        "limits": limits.__dict__,
+        "boot_s": round(boot_s, 2) if boot_s is not None else None,
+        "gdn_buffer_rows": min(budgets) if budgets else None,
+        "profile_cap": cap,
+        "report_dir": report_dir,
+        "engine_args": opts.engine_args,
+    })
+    png = os.path.join(opts.out, "forward_sizes.png")
+    forward_sizes_png(png, sizes, lo, hi, limits.max_num_batched_tokens, result["gdn_buffer_rows"], cap,
+                      f"vllm-overlay stress: {result['verdict']} ({result['band_forwards']} band forwards)")
+    result["png"] = os.path.abspath(png)
+    result["json"] = os.path.abspath(os.path.join(opts.out, "stress.json"))
+    with open(result["json"], "w") as f:
+        json.dump(result, f, indent=1)
+    console.print(summary_table(result))
+    color = {"PASSED": "green", "FAILED": "red", "DID NOT TEST": "yellow"}.get(result["verdict"], "red")
+    console.print(f"[bold {color}]{result['verdict']}[/]: {result['why']}")
+    if outcome.errors:
+        console.print(f"first error: {outcome.errors[0]}")
+    console.print(f"wrote {result['json']} and {result['png']}")
+    return result
+
+
+def _read_reports(report_dir: str, since: float | None) -> list[dict[str, Any]]:
+    # the serving processes flush every second and at exit; give them two flush periods
+    time.sleep(2.5)
+    return load(report_dir, since) if os.path.isdir(report_dir) else []
+
+
+def _shutdown(llm: Any) -> None:
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # noqa: BLE001 - best effort; the processes also die with us
+        pass
+
+
+def server_limits(base: str, report_dir: str, engine_args: dict[str, Any]) -> planmod.Limits:
+    """The server's limits: from its worker reports (the live config), else the CLI's flags."""
+    live: dict[str, Any] = {}
+    if os.path.isdir(report_dir):
+        for rep in sorted(load(report_dir), key=lambda r: r.get("written", 0)):
+            live.update(rep.get("engine_config") or {})
+
+    def pick(key: str) -> int:
+        if engine_args.get(key):
+            return int(engine_args[key])
+        if live.get(key):
+            return int(live[key])
+        flag = "--" + key.replace("_", "-")
+        raise planmod.UsageError(
+            f"server mode: the server's {key} is unknown (no overlay report with it in {report_dir}); "
+            f"pass {flag} N or --report-dir DIR"
+        )
+
+    return planmod.Limits(pick("max_num_batched_tokens"), pick("max_model_len"), pick("max_num_seqs"),
+                          int(settings.value("VLLM_OVERLAY_PREFILL_CHUNK_CLAMP")))

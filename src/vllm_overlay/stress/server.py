@@ -1,0 +1,152 @@
+"""Server mode: streamed OpenAI-compatible completions over real HTTP against `vllm serve`."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import random
+import time
+import urllib.parse
+from collections.abc import Callable
+from typing import Any
+
+from vllm_overlay.stress.plan import Plan, UsageError
+from vllm_overlay.stress.traffic import prompt
+from vllm_overlay.stress.verdict import Outcome
+
+
+def check_url(url: str, allow_remote: bool) -> str:
+    parsed = urllib.parse.urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise UsageError(f"--url {url!r}: expected http://HOST:PORT")
+    host = parsed.hostname
+    loopback = host == "localhost"
+    try:
+        loopback = loopback or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    if not loopback and not allow_remote:
+        raise UsageError(f"--url {url!r}: {host} is not a loopback address; pass --allow-remote to "
+                         "stress a remote server on purpose")
+    return url.rstrip("/")
+
+
+async def _model_and_vocab(session: Any, base: str) -> tuple[str, int]:
+    async with session.get(f"{base}/v1/models") as resp:
+        data = await resp.json()
+    model = data["data"][0]["id"]
+    return model, 4096
+
+
+async def _completion(session: Any, base: str, model: str, ids: list[int], max_tokens: int,
+                      rid: str, out: Outcome, ttft: dict[str, float]) -> bool:
+    body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "ignore_eos": True, "return_token_ids": True}
+    t0 = time.perf_counter()
+    tokens = 0
+    try:
+        async with session.post(f"{base}/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                out.errors.append(f"{rid}: HTTP {resp.status}: {(await resp.text())[:300]}")
+                return False
+            async for raw in resp.content:
+                line = raw.decode().strip()
+                if not line.startswith("data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == "[DONE]":
+                    break
+                chunk = json.loads(payload)
+                if "error" in chunk:
+                    out.errors.append(f"{rid}: {chunk['error']}")
+                    return False
+                for choice in chunk.get("choices", []):
+                    n = len(choice.get("token_ids") or []) or (1 if choice.get("text") else 0)
+                    if n and rid not in ttft:
+                        ttft[rid] = time.perf_counter() - t0
+                    tokens += n
+    except Exception as exc:  # noqa: BLE001 - connection lost: the server died
+        out.errors.append(f"{rid}: {type(exc).__name__}: {exc}")
+        return False
+    out.generated_tokens += tokens
+    if tokens < max_tokens:
+        out.errors.append(f"{rid}: stream ended after {tokens} of {max_tokens} tokens")
+        return False
+    return True
+
+
+async def _run(base: str, plan: Plan, duration_s: float | None, seed: int,
+               progress: Callable[[int, int], None], out: Outcome,
+               alive: Callable[[], str | None] | None) -> None:
+    import aiohttp
+
+    rng = random.Random(seed)
+    ttft: dict[str, float] = {}
+    wave_ids: list[str] = []
+    ok: list[bool] = []
+    stop = asyncio.Event()
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=300)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        model, vocab = await _model_and_vocab(session, base)
+
+        async def decode_worker(i: int) -> None:
+            # one decode stream, renewed until the waves are done: every request completes
+            n = 0
+            while not stop.is_set():
+                rid = f"decode-{i}-{n}"
+                good = await _completion(session, base, model, prompt(rng, 32, vocab),
+                                         plan.decode_out_tokens, rid, out, ttft)
+                ok.append(good)
+                n += 1
+                if not good:
+                    stop.set()
+
+        workers = [asyncio.create_task(decode_worker(i)) for i in range(plan.decode_streams)]
+        await asyncio.sleep(0.5)  # let the decode streams start
+        t0 = time.perf_counter()
+        for w in range(plan.waves):
+            if stop.is_set() or (duration_s is not None and time.perf_counter() - t0 > duration_s):
+                break
+            if alive is not None and (err := alive()):
+                out.engine_error = err
+                break
+            ids = [f"wave{w}-{j}" for j in range(plan.prefills_per_wave)]
+            done = await asyncio.gather(*[
+                _completion(session, base, model, prompt(rng, plan.prompt_tokens, vocab),
+                            plan.prefill_out_tokens, rid, out, ttft) for rid in ids])
+            ok.extend(done)
+            wave_ids.extend(ids)
+            progress(w + 1, plan.waves)
+            if not all(done):
+                break
+        stop.set()
+        await asyncio.gather(*workers)
+        if alive is not None and out.engine_error is None and (err := alive()):
+            out.engine_error = err
+        out.requests_ok = sum(ok)
+        out.requests_failed = len(ok) - sum(ok)
+        out.ttft_s = [ttft[r] for r in wave_ids if r in ttft]
+
+
+def run(base: str, plan: Plan, duration_s: float | None, seed: int,
+        progress: Callable[[int, int], None], alive: Callable[[], str | None] | None = None) -> Outcome:
+    out = Outcome()
+    t0 = time.perf_counter()
+    asyncio.run(_run(base, plan, duration_s, seed, progress, out, alive))
+    out.wall_s = time.perf_counter() - t0
+    if out.errors and not out.engine_error and out.requests_failed:
+        out.engine_error = out.errors[0]
+    return out
+
+
+def health_error(base: str) -> str | None:
+    """None while the server answers /health with 200, else what went wrong."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{base}/health", timeout=10) as resp:
+            return None if resp.status == 200 else f"server health check: HTTP {resp.status}"
+    except (urllib.error.URLError, OSError) as exc:
+        return f"server is down: {exc}"

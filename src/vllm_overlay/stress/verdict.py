@@ -1,0 +1,73 @@
+"""Judge a stress run from the serving processes' forward telemetry."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+PASSED, FAILED, BAD_USAGE, DID_NOT_TEST = 0, 1, 2, 3
+NAMES = {PASSED: "PASSED", FAILED: "FAILED", BAD_USAGE: "BAD USAGE", DID_NOT_TEST: "DID NOT TEST"}
+
+
+@dataclass
+class Outcome:
+    requests_ok: int = 0
+    requests_failed: int = 0
+    errors: list[str] = field(default_factory=list)
+    ttft_s: list[float] = field(default_factory=list)  # of the wave prefills
+    generated_tokens: int = 0
+    wall_s: float = 0.0
+    engine_error: str | None = None
+
+
+def sizes_delta(before: dict[int, int], after: dict[int, int]) -> dict[int, int]:
+    out = {}
+    for size, count in after.items():
+        diff = count - before.get(size, 0)
+        if diff > 0:
+            out[size] = diff
+    return out
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    idx = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[idx]
+
+
+def judge(lo: int, hi: int, min_band: int, sizes: dict[int, int], outcome: Outcome,
+          reports: list[dict[str, Any]]) -> dict[str, Any]:
+    band = sum(c for s, c in sizes.items() if lo < s <= hi)
+    trips = sum(int(r.get("counters", {}).get("guard_trips", 0)) for r in reports)
+    workers = [r for r in reports if r.get("patches", {}).get("forward-telemetry", {}).get("status") == "applied"]
+    if outcome.engine_error or outcome.requests_failed:
+        code, why = FAILED, outcome.engine_error or f"{outcome.requests_failed} request(s) failed"
+    elif not workers:
+        code, why = DID_NOT_TEST, "no serving process reported forward telemetry (is the overlay installed there?)"
+    elif band < min_band:
+        code, why = DID_NOT_TEST, f"only {band} forward(s) landed in ({lo}, {hi}], {min_band} required"
+    else:
+        code, why = PASSED, f"{band} forwards in ({lo}, {hi}], every request completed"
+    return {
+        "exit_code": code,
+        "verdict": NAMES[code],
+        "why": why,
+        "band": [lo, hi],
+        "band_forwards": band,
+        "min_band_forwards": min_band,
+        "forwards": sum(sizes.values()),
+        "max_forward": max(sizes) if sizes else None,
+        "guard_trips": trips,
+        "requests_ok": outcome.requests_ok,
+        "requests_failed": outcome.requests_failed,
+        "errors": outcome.errors[:20],
+        "generated_tokens": outcome.generated_tokens,
+        "wall_s": round(outcome.wall_s, 3),
+        "tokens_per_s": round(outcome.generated_tokens / outcome.wall_s, 2) if outcome.wall_s else None,
+        "ttft_p50_s": percentile(outcome.ttft_s, 50),
+        "ttft_p99_s": percentile(outcome.ttft_s, 99),
+        "sizes": {str(k): v for k, v in sorted(sizes.items())},
+        "worker_reports": [r.get("_path") for r in workers],
+    }

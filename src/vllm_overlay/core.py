@@ -207,6 +207,8 @@ def _make_hook(active: Active, module_name: str, strict: bool) -> Any:
             )
             if status == "applied":
                 STATE.write()
+                if STATE.load_apply_s is not None and not any(a.pending for a in _ACTIVE.values() if a.live):
+                    STATE.log_summary()  # the last armed patch applied: the final word for this process
 
     return hook
 

@@ -14,6 +14,9 @@ from vllm_overlay.stress.verdict import Outcome
 
 
 def build_engine(model: str, engine_args: dict[str, Any]) -> Any:
+    # The engine core runs in this process and steps only when we call step(): a wave's k
+    # prompts are all queued before the step that schedules them, so they share one forward.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM
 
     kwargs = dict(engine_args)

@@ -78,6 +78,8 @@ def make_plan(lo: int, hi: int, limits: Limits, min_band_forwards: int, requests
     if s_max < 1:
         raise UsageError(f"--max-model-len {limits.max_model_len}: too small to plan prefills")
     k = max(1, math.ceil(budget / min(s_max, PREFERRED_PROMPT)))
+    if k == 1 and budget // 2 >= 256:
+        k = 2  # several concurrent prefills, as in the bug report, wherever they stay >= 256 tokens
     if d + k > limits.max_num_seqs:
         raise UsageError(
             f"band ({lo}, {hi}] needs {k} prefills + {d} decode streams in one step, more than "

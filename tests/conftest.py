@@ -1,0 +1,101 @@
+"""Shared fixtures. Engine scenarios run in their own processes (tests/scenario.py) because the
+overlay reads its settings once per vLLM process; results are cached per session so several
+tests can assert on one boot."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PY = sys.executable
+OVERLAY_PREFIXES = ("VLLM_OVERLAY", "GENESIS_")
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(OVERLAY_PREFIXES)}
+    env.update(extra)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+@pytest.fixture(autouse=True)
+def _isolate_overlay_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in list(os.environ):
+        if key.startswith(OVERLAY_PREFIXES):
+            monkeypatch.delenv(key)
+
+
+def load_reports(directory: str) -> list[dict[str, Any]]:
+    from vllm_overlay.cli.report import load
+
+    return load(directory)
+
+
+def worker_report(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    found = [r for r in reports if "worker" in r["role"]]
+    assert len(found) == 1, [(r["pid"], r["role"]) for r in reports]
+    return found[0]
+
+
+class Scenarios:
+    """Runs tests/scenario.py once per distinct (args, env) and caches the result."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.cache: dict[str, dict[str, Any]] = {}
+
+    def run(self, name: str, args: list[str], env: dict[str, str], timeout: int = 900) -> dict[str, Any]:
+        if name in self.cache:
+            return self.cache[name]
+        work = os.path.join(self.root, name)
+        os.makedirs(work, exist_ok=True)
+        out = os.path.join(work, "result.json")
+        full_env = clean_env(VLLM_OVERLAY_REPORT_DIR=os.path.join(work, "reports"), **env)
+        with open(os.path.join(work, "log.txt"), "w") as log:
+            proc = subprocess.run([PY, os.path.join(HERE, "scenario.py"), out, *args], env=full_env,
+                                  stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
+        with open(os.path.join(work, "log.txt")) as f:
+            log_text = f.read()
+        result = json.load(open(out)) if os.path.exists(out) else {"ok": False, "error": "no result"}
+        result["returncode"] = proc.returncode
+        result["log"] = log_text
+        result["reports"] = load_reports(os.path.join(work, "reports"))
+        self.cache[name] = result
+        return result
+
+
+@pytest.fixture(scope="session")
+def scenarios(tmp_path_factory: pytest.TempPathFactory) -> Scenarios:
+    return Scenarios(str(tmp_path_factory.mktemp("scenarios")))
+
+
+def vllm_tree_digest() -> str:
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    assert spec and spec.submodule_search_locations
+    root = list(spec.submodule_search_locations)[0]
+    h = hashlib.sha256()
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+        for name in sorted(filenames):
+            if name.endswith(".pyc"):
+                continue
+            path = os.path.join(dirpath, name)
+            h.update(path.encode())
+            with open(path, "rb") as f:
+                h.update(hashlib.sha256(f.read()).digest())
+    return h.hexdigest()
+
+
+@pytest.fixture(scope="session")
+def vllm_digest_before() -> Iterator[str]:
+    yield vllm_tree_digest()

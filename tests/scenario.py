@@ -1,0 +1,75 @@
+"""One real vLLM engine (CPU build) per process, driven the way the tests need it.
+
+Run as ``python tests/scenario.py OUT.json [--mnbt N] [--compile] [--shape bug|short]``. Settings
+come from the environment (VLLM_OVERLAY_*), exactly as in a served process, which is why every
+boot is its own process: the overlay's register() reads them once per process. Writes JSON with
+the outputs (token ids and logprobs) or the error, and where the overlay reports went.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+import traceback
+
+BUG_SHAPE = [2500, 2600, 2400] + [40] * 8  # the bug report: one step of 7820 tokens
+SHORT_SHAPE = [300, 40, 40]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--mnbt", type=int, default=8192)
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--shape", choices=("bug", "short"), default="bug")
+    ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--kv-cache-dtype", default=None)
+    # prefix caching puts hybrid models in mamba 'align' mode, which cuts prefills at block
+    # boundaries; without it the bug report's step is exactly one forward of 7820 tokens
+    args = ap.parse_args()
+    # the engine core runs in this process, so all prompts are queued before its first step
+    # (as in ../shared/evidence): the bug report's step is then exactly one forward
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+
+    from vllm_overlay.models import tiny_hybrid_dir
+
+    result: dict = {"argv": sys.argv[1:], "report_dir": os.environ.get("VLLM_OVERLAY_REPORT_DIR")}
+    t0 = time.time()
+    try:
+        kwargs = {}
+        if args.kv_cache_dtype:
+            kwargs["kv_cache_dtype"] = args.kv_cache_dtype
+        llm = LLM(model=tiny_hybrid_dir(), load_format="dummy", skip_tokenizer_init=True,
+                  max_num_batched_tokens=args.mnbt, max_model_len=max(8192, args.mnbt),
+                  max_num_seqs=32, gpu_memory_utilization=0.3, enforce_eager=not args.compile,
+                  seed=0, enable_prefix_caching=False, **kwargs)
+        result["boot_s"] = time.time() - t0
+        rng = random.Random(0)
+        lens = BUG_SHAPE if args.shape == "bug" else SHORT_SHAPE
+        prompts = [{"prompt_token_ids": [rng.randrange(10, 4000) for _ in range(n)]} for n in lens]
+        sp = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True, detokenize=False,
+                            logprobs=1)
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        result["token_ids"] = [list(o.outputs[0].token_ids) for o in outs]
+        result["logprobs"] = [
+            [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs
+        ]
+        result["ok"] = True
+    except BaseException as exc:  # noqa: BLE001 - the error is the result
+        result["ok"] = False
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        result["traceback"] = traceback.format_exc()[-6000:]
+    result["wall_s"] = time.time() - t0
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+    time.sleep(2.5)  # let the engine processes flush their reports
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""Decisions, apply / revert in this process against the real installed vLLM modules, and the
+documented outcome of every misconfiguration (named error, loud skip, strict abort)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import logging
+import os
+
+import pytest
+
+from vllm_overlay import core, versions
+from vllm_overlay.errors import PatchConflictError, StrictModeError, UnknownPatchError
+from vllm_overlay.patches import gdn_output_prealloc as gdn
+from vllm_overlay.report import STATE
+
+TARGET_MODULES = (
+    "vllm.config.vllm",
+    "vllm.v1.worker.gpu_model_runner",
+    "vllm.v1.core.sched.scheduler",
+    gdn.MOD_032,
+)
+
+
+@pytest.fixture
+def overlay(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("VLLM_OVERLAY_REPORT_DIR", str(tmp_path / "reports"))
+    for m in TARGET_MODULES:  # imported first, so hooks fire at once, inside the test
+        importlib.import_module(m)
+    core.revert()
+    STATE.reset()
+    yield tmp_path / "reports"
+    core.revert()
+    STATE.reset()
+
+
+def originals() -> dict[str, object]:
+    out = {}
+    for spec in core.specs():
+        for t in spec.targets:
+            if t.vllm and not versions.matches("0.32.0", t.vllm):
+                continue
+            mod = importlib.import_module(t.module)
+            owner = mod
+            *path, name = t.qualname.split(".")
+            for p in path:
+                owner = getattr(owner, p)
+            out[str(t)] = vars(owner)[name] if isinstance(owner, type) and name in vars(owner) else getattr(owner, name)
+    return out
+
+
+def by_id(decisions):  # type: ignore[no-untyped-def]
+    return {d.spec.id: d for d in decisions}
+
+
+def test_default_plan_on_installed_vllm() -> None:
+    d = by_id(core.decide({}))
+    assert d["forward-telemetry"].status == "planned"
+    assert d["gdn-output-prealloc"].status == "planned"
+    assert d["compile-cache-key"].status == "planned"
+    assert d["profile-run-cap"].status == "off" and "VLLM_OVERLAY_PROFILE_RUN_CAP" in d["profile-run-cap"].reason
+    assert d["prefill-chunk-clamp"].status == "off"
+
+
+def test_switches() -> None:
+    d = by_id(core.decide({"VLLM_OVERLAY": "0"}))
+    assert all(x.status == "off" and "VLLM_OVERLAY=0" in x.reason for x in d.values())
+    d = by_id(core.decide({"VLLM_OVERLAY_DISABLE": "forward-telemetry"}))
+    assert d["forward-telemetry"].status == "off" and "VLLM_OVERLAY_DISABLE" in d["forward-telemetry"].reason
+    d = by_id(core.decide({"VLLM_OVERLAY_PROFILE_RUN_CAP": "4096"}))
+    assert d["profile-run-cap"].status == "planned"
+    d = by_id(core.decide({"VLLM_OVERLAY_ENABLE": "profile-run-cap"}))
+    assert d["profile-run-cap"].status == "skipped" and "is 0" in d["profile-run-cap"].reason
+    d = by_id(core.decide({"VLLM_OVERLAY_DISABLE": "compile-cache-key"}))
+    assert d["gdn-output-prealloc"].status == "skipped"
+    assert "requires 'compile-cache-key'" in d["gdn-output-prealloc"].reason
+
+
+def test_unknown_id_lists_known_ids() -> None:
+    with pytest.raises(UnknownPatchError) as err:
+        core.decide({"VLLM_OVERLAY_DISABLE": "gdn-prealloc"})
+    msg = str(err.value)
+    assert "VLLM_OVERLAY_DISABLE" in msg and "'gdn-prealloc'" in msg and "gdn-output-prealloc" in msg
+
+
+def test_conflicting_pair(monkeypatch: pytest.MonkeyPatch) -> None:
+    specs = list(core.specs())
+    specs[0] = dataclasses.replace(specs[0], conflicts=(specs[1].id,))
+    monkeypatch.setattr(core, "specs", lambda: tuple(specs))
+    with pytest.raises(PatchConflictError) as err:
+        core.decide({})
+    assert specs[0].id in str(err.value) and specs[1].id in str(err.value)
+
+
+def test_out_of_range_version_is_a_loud_skip() -> None:
+    old = versions.Installed("vllm", "0.19.0", "cuda")
+    d = by_id(core.decide({}, vllm=old))
+    assert d["forward-telemetry"].status == "skipped"
+    assert d["forward-telemetry"].reason == "requested vllm >=0.20.2,<=0.32.0, found 0.19.0"
+    mid = versions.Installed("vllm", "0.25.0", "cuda")
+    d = by_id(core.decide({}, vllm=mid))
+    assert d["forward-telemetry"].status == "planned"
+    assert d["gdn-output-prealloc"].status == "skipped" and "no recorded source anchors" in d["gdn-output-prealloc"].reason
+
+
+def test_out_of_range_version_strict_aborts(overlay, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(versions, "installed_vllm", lambda: versions.Installed("vllm", "0.19.0", "cuda"))
+    monkeypatch.setenv("VLLM_OVERLAY_STRICT", "1")
+    with pytest.raises(StrictModeError) as err:
+        core.register()
+    assert "found 0.19.0" in str(err.value)
+
+
+def test_apply_then_revert_restores_every_target(overlay) -> None:  # type: ignore[no-untyped-def]
+    before = originals()
+    core.register()
+    during = originals()
+    changed = [k for k in before if before[k] is not during[k]]
+    # every distinct target of the three default-on patches on 0.32.0 was replaced
+    # (GPUModelRunner._dummy_run is wrapped by two of them and counts once)
+    assert len(changed) == 8, changed
+    report = json.load(open(os.path.join(overlay, f"overlay-{os.getpid()}.json")))
+    assert report["patches"]["gdn-output-prealloc"]["status"] == "applied"
+    assert report["patches"]["forward-telemetry"]["status"] == "applied"
+    core.register()  # idempotent: nothing changes
+    assert originals() == during and STATE.register_calls == 2
+    core.revert()
+    after = originals()
+    assert all(before[k] is after[k] for k in before), [k for k in before if before[k] is not after[k]]
+    rewritten = vars(importlib.import_module(gdn.MOD_032).QwenGatedDeltaNetAttention)["forward_cpu"]
+    assert not hasattr(rewritten, "__vllm_overlay__")
+
+
+def _drift(monkeypatch: pytest.MonkeyPatch) -> None:
+    bad = tuple(dataclasses.replace(rw, sha256="0" * 64) for rw in gdn.REWRITES)
+    monkeypatch.setattr(gdn, "REWRITES", bad)
+
+
+def test_drifted_anchor_is_a_loud_skip(overlay, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    _drift(monkeypatch)
+    before = originals()
+    with caplog.at_level(logging.WARNING, logger="vllm_overlay"):
+        logging.getLogger("vllm_overlay").propagate = True
+        try:
+            core.register()
+        finally:
+            logging.getLogger("vllm_overlay").propagate = False
+    rec = STATE.patches["gdn-output-prealloc"]
+    assert rec["status"] == "failed" and "pristine source hash mismatch" in rec["reason"]
+    assert any("gdn-output-prealloc skipped" in r.getMessage() for r in caplog.records)
+    # a failed patch leaves nothing behind; the others still applied
+    after = originals()
+    gdn_targets = [k for k in before if "gdn" in k or "_model_forward" in k]
+    assert all(before[k] is after[k] for k in gdn_targets if "_dummy_run" not in k)
+    assert STATE.patches["forward-telemetry"]["status"] == "applied"
+
+
+def test_drifted_anchor_strict_aborts(overlay, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    _drift(monkeypatch)
+    monkeypatch.setenv("VLLM_OVERLAY_STRICT", "1")
+    with pytest.raises(StrictModeError) as err:
+        core.register()
+    assert "gdn-output-prealloc" in str(err.value) and "hash mismatch" in str(err.value)
+
+
+def test_bad_setting_stops_register(overlay, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from vllm_overlay.errors import SettingError
+
+    monkeypatch.setenv("VLLM_OVERLAY_PROFILE_RUN_CAP", "4k")
+    with pytest.raises(SettingError):
+        core.register()
+
+
+def test_import_has_no_side_effects() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, vllm_overlay; import vllm_overlay.core, vllm_overlay.settings; "
+            "print(sorted(m for m in sys.modules if m.startswith('vllm') and not m.startswith('vllm_overlay')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -1,0 +1,82 @@
+"""A real vLLM engine (CPU build, eager) with the tiny hybrid model: the bug report's traffic
+shape at max_num_batched_tokens 8192, stock vs overlay, a forced small buffer, the clamp and
+a legacy alias. Every boot is its own process (tests/scenario.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import worker_report
+
+pytestmark = pytest.mark.engine
+
+BAND = (4096, 8192)
+
+
+def band_forwards(rep: dict) -> int:  # type: ignore[type-arg]
+    return sum(c for s, c in rep["telemetry"]["forwards"]["sizes"].items() if BAND[0] < int(s) <= BAND[1])
+
+
+@pytest.fixture(scope="module")
+def overlay(scenarios):  # type: ignore[no-untyped-def]
+    return scenarios.run("eager-overlay", ["--shape", "bug"], {})
+
+
+@pytest.fixture(scope="module")
+def stock(scenarios):  # type: ignore[no-untyped-def]
+    return scenarios.run("eager-stock", ["--shape", "bug"], {"VLLM_OVERLAY": "0"})
+
+
+def test_overlay_applies_in_the_worker_and_sees_the_band(overlay) -> None:  # type: ignore[no-untyped-def]
+    assert overlay["ok"], overlay.get("traceback") or overlay["log"][-3000:]
+    w = worker_report(overlay["reports"])
+    assert {p: w["patches"][p]["status"] for p in ("forward-telemetry", "gdn-output-prealloc", "compile-cache-key")} \
+        == dict.fromkeys(("forward-telemetry", "gdn-output-prealloc", "compile-cache-key"), "applied")
+    # the bug report's step: 2500 + 2600 + 2400 + 8 x 40 = 7820 tokens in one forward
+    assert w["telemetry"]["forwards"]["sizes"].get("7820") == 1
+    assert band_forwards(w) >= 1 and w["telemetry"]["forwards"]["max"] == 7820
+    assert w["counters"]["guard_trips"] == 0 and w["counters"]["guard_checks"] >= 1
+    (buf,) = w["buffers"]
+    assert buf["rows"] == 8192 and buf["source"] == "live scheduler_config.max_num_batched_tokens"
+    assert buf["layers"] == 3  # the tiny model's three GDN layers share it
+    assert w["engine_config"]["max_num_batched_tokens"] == 8192
+    # a summary line names pid and role (engine core in-process here: VLLM_ENABLE_V1_MULTIPROCESSING=0)
+    assert f"pid {w['pid']} role worker rank 0: 3 applied" in overlay["log"]
+    assert all(r["load_apply_s"] < 1.0 for r in overlay["reports"])
+
+
+def test_overlay_outputs_equal_stock(overlay, stock) -> None:  # type: ignore[no-untyped-def]
+    assert stock["ok"], stock.get("traceback")
+    (rep,) = stock["reports"]  # VLLM_OVERLAY=0: the process still reports, and says all is off
+    assert all(p["status"] == "off" for p in rep["patches"].values())
+    assert rep["telemetry"]["forwards"]["count"] == 0
+    assert overlay["token_ids"] == stock["token_ids"]
+    diffs = [abs(a - b) for la, lb in zip(overlay["logprobs"], stock["logprobs"]) for a, b in zip(la, lb)]
+    assert max(diffs) <= 1e-4, max(diffs)
+
+
+def test_forced_small_buffer_fails_with_our_error(scenarios) -> None:  # type: ignore[no-untyped-def]
+    r = scenarios.run("eager-forced-4096", ["--shape", "bug"], {"VLLM_OVERLAY_TEST_BUFFER_ROWS": "4096"})
+    assert not r["ok"]
+    text = r["log"] + r.get("error", "") + r.get("traceback", "")
+    assert r["error"].startswith("CapacityError: vllm-overlay: a forward of 7820 tokens exceeds the GDN "
+                                 "output buffer of 4096 rows (size from TEST env VLLM_OVERLAY_TEST_BUFFER_ROWS)")
+    assert "setStorage" not in text
+    w = worker_report(r["reports"])
+    assert w["counters"]["guard_trips"] == 1
+
+
+def test_short_prompt_clamp_and_alias(scenarios) -> None:  # type: ignore[no-untyped-def]
+    r = scenarios.run("eager-short-clamp-alias", ["--shape", "short", "--max-tokens", "4"],
+                      {"VLLM_OVERLAY_PREFILL_CHUNK_CLAMP": "128", "GENESIS_PREALLOC_TOKEN_BUDGET": "12000"})
+    assert r["ok"], r.get("traceback")
+    w = worker_report(r["reports"])
+    fw = w["telemetry"]["forwards"]
+    # 300 + 40 + 40 prompt tokens, then 3 requests x 3 more decode steps: every token counted once
+    assert fw["tokens"] == 380 + 3 * 3
+    # the clamp bounds each request's chunk, so no forward holds the 300-token prompt whole
+    assert fw["max"] <= 128 + 40 + 40
+    assert w["patches"]["prefill-chunk-clamp"]["status"] == "applied" or any(
+        "prefill-chunk-clamp" in e for r2 in r["reports"] for e in r2["events"])
+    (buf,) = w["buffers"]
+    assert buf["rows"] == 12000 and buf["source"] == "alias GENESIS_PREALLOC_TOKEN_BUDGET"

@@ -96,6 +96,14 @@ def vllm_tree_digest() -> str:
     return h.hexdigest()
 
 
+_DIGEST_BEFORE: list[str] = []
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # taken before any test boots vLLM, compared by tests/test_zz_integrity.py at the end
+    _DIGEST_BEFORE.append(vllm_tree_digest())
+
+
 @pytest.fixture(scope="session")
 def vllm_digest_before() -> Iterator[str]:
-    yield vllm_tree_digest()
+    yield _DIGEST_BEFORE[0]

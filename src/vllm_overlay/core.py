@@ -188,6 +188,7 @@ def _make_hook(active: Active, module_name: str, strict: bool) -> Any:
         with _LOCK:
             if not active.live or module_name not in active.pending:
                 return
+            t0 = time.perf_counter()
             try:
                 installed = active.module.install(module_name, module)
             except Exception as exc:  # noqa: BLE001
@@ -195,6 +196,7 @@ def _make_hook(active: Active, module_name: str, strict: bool) -> Any:
                 return
             active.installed.extend(installed)
             active.pending.discard(module_name)
+            STATE.hook_apply_s += time.perf_counter() - t0
             copies = [c for i in installed for c in i.cached_copies]
             if copies:
                 STATE.event(f"{active.spec.id}: cached copies bypass the patch: {', '.join(copies)}")

@@ -51,7 +51,8 @@ class ProcessState:
         self.started = time.time()
         self.registered = False
         self.register_calls = 0
-        self.load_apply_s: float | None = None
+        self.load_apply_s: float | None = None  # register(): decisions, hooks, patches of imported modules
+        self.hook_apply_s = 0.0  # patches applied later, when vLLM imported their modules
         self.vllm_version: str | None = None
         self.platform: str | None = None
         self.patches: dict[str, dict[str, Any]] = {}
@@ -135,6 +136,7 @@ class ProcessState:
                 "platform": self.platform,
                 "register_calls": self.register_calls,
                 "load_apply_s": self.load_apply_s,
+                "hook_apply_s": self.hook_apply_s,
                 "counts": self.counts(),
                 "patches": self.patches,
                 "budgets": self.budgets,

@@ -67,7 +67,8 @@ def check_band(lo: int, hi: int, limits: Limits) -> None:
         )
 
 
-def make_plan(lo: int, hi: int, limits: Limits, min_band_forwards: int, requests: int | None) -> Plan:
+def make_plan(lo: int, hi: int, limits: Limits, min_band_forwards: int, requests: int | None,
+              prefill_out_tokens: int = 4) -> Plan:
     check_band(lo, hi, limits)
     target = lo + max(1, (hi - lo) * 3 // 4)  # well inside the band, below HI
     d = max(0, min(8, limits.max_num_seqs // 3, target // 64))
@@ -94,5 +95,5 @@ def make_plan(lo: int, hi: int, limits: Limits, min_band_forwards: int, requests
         if requests < k:
             raise UsageError(f"--requests {requests}: at least {k} needed for one wave of this plan")
         waves = requests // k
-    return Plan(lo, hi, d, k, s, prefill_out_tokens=4, decode_out_tokens=64, waves=waves,
+    return Plan(lo, hi, d, k, s, prefill_out_tokens=prefill_out_tokens, decode_out_tokens=64, waves=waves,
                 target_forward=total)

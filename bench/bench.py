@@ -1,0 +1,170 @@
+"""Throughput and boot figures for one configuration, one boot (vLLM 0.20.2 on a CUDA GPU).
+
+  python bench/bench.py --model qwen36-35b-a3b-geometry --config overlay --mnbt 8192 --out DIR
+      [--soak-seconds 240] [--reps 3]
+
+Workloads (each: one warm-up run discarded, then --reps runs; median, min, max):
+  decode-1     one stream, 32-token prompt, 256 tokens out
+  decode-16    16 streams, 32-token prompts, 256 tokens out each
+  prefill-8k   one 8000-token prompt, 1 token out
+  band-mix     2500 + 2600 + 2400 + 8 x 64 token prompts queued together, 128 out each
+               (TTFT of the three long prompts from the engine's own steps)
+Also: boot time and vLLM's own "init engine (profile, create kv cache, warmup model)" time, the KV
+cache size in tokens, the overlay's load+apply time per process (from its reports), and, with
+--soak-seconds, a band soak through `vllm_overlay.stress` (forwards in (4096, 8192]).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import statistics
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+CONFIGS = {"overlay": {}, "stock": {"VLLM_OVERLAY": "0"}}
+
+
+class Capture(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.lines.append(record.getMessage())
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def stats(xs: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def run_engine(engine: Any, reqs: list[tuple[str, dict, Any]]) -> tuple[float, dict[str, float], int]:
+    """Queue every request, step to completion; (seconds, first-token time per id, tokens out)."""
+    t0 = time.perf_counter()
+    for rid, prompt, params in reqs:
+        engine.add_request(rid, prompt, params)
+    first: dict[str, float] = {}
+    out_tokens = 0
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.outputs and o.outputs[0].token_ids and o.request_id not in first:
+                first[o.request_id] = time.perf_counter() - t0
+            if o.finished:
+                out_tokens += len(o.outputs[0].token_ids)
+    return time.perf_counter() - t0, first, out_tokens
+
+
+def child(out: str, args: argparse.Namespace) -> None:
+    import json
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    cap = Capture()
+    logging.getLogger("vllm").addHandler(cap)
+    from vllm import LLM, SamplingParams
+
+    res: dict[str, Any] = {"config": args.config, "mnbt": args.mnbt, "model": args.model}
+    t0 = time.time()
+    llm = LLM(model=common.model_dir(args.model), load_format="dummy", skip_tokenizer_init=True,
+              max_num_batched_tokens=args.mnbt, max_model_len=32768, max_num_seqs=64, dtype="bfloat16",
+              gpu_memory_utilization=args.mem, enable_prefix_caching=False, seed=0,
+              additional_config={"gdn_prefill_backend": "triton"})
+    res["boot_s"] = round(time.time() - t0, 1)
+    for line in cap.lines:
+        if m := re.search(r"init engine \(profile, create kv cache, warmup model\) took ([0-9.]+)", line):
+            res["init_engine_s"] = float(m.group(1))
+        if m := re.search(r"KV cache size: ([0-9,]+) tokens", line):
+            res["kv_cache_tokens"] = int(m.group(1).replace(",", ""))
+    engine = llm.llm_engine
+    n = 0
+
+    def sp(k: int) -> Any:
+        return SamplingParams(max_tokens=k, temperature=0, ignore_eos=True, detokenize=False)
+
+    def reqs(lens: list[int], outs: list[int]) -> list[tuple[str, dict, Any]]:
+        nonlocal n
+        n += 1
+        return [(f"r{n}-{i}", p, sp(o)) for i, (p, o) in enumerate(zip(common.prompts(lens, seed=n), outs))]
+
+    workloads = {
+        "decode-1": ([32], [256]),
+        "decode-16": ([32] * 16, [256] * 16),
+        "prefill-8k": ([8000], [1]),
+        "band-mix": ([2500, 2600, 2400] + [64] * 8, [128] * 11),
+    }
+    res["workloads"] = {}
+    for name, (lens, outs) in workloads.items():
+        run_engine(engine, reqs(lens, outs))  # warm-up: first run of a new shape can be slow
+        secs, tps, ttft = [], [], []
+        for _ in range(args.reps):
+            s, first, toks = run_engine(engine, reqs(lens, outs))
+            secs.append(s)
+            tps.append(toks / s)
+            ttft.extend(v for k, v in first.items() if int(k.split("-")[1]) < 3 and name == "band-mix")
+        w = {"seconds": stats(secs), "tokens_per_s": stats(tps)}
+        if name.startswith("decode"):
+            w["ms_per_token_per_stream"] = stats([1000 * s / outs[0] for s in secs])
+        if ttft:
+            w["ttft_long_prompts_s"] = {"p50": statistics.median(ttft), "p99": max(ttft), "n": len(ttft)}
+        res["workloads"][name] = w
+        print(name, json.dumps(w), flush=True)
+    if args.soak_seconds:
+        from vllm_overlay.stress import offline
+        from vllm_overlay.stress.plan import Limits, make_plan
+
+        plan = make_plan(4096, 8192, Limits(args.mnbt, 32768, 64), 2000, None, prefill_out_tokens=1)
+        plan = type(plan)(**{**plan.to_json(), "waves": 100000})
+        t = time.time()
+        outcome = offline.run(llm, plan, args.soak_seconds, 1, lambda done, total: None)
+        res["soak"] = {"plan": plan.describe(), "wall_s": round(time.time() - t, 1),
+                       "requests_ok": outcome.requests_ok, "requests_failed": outcome.requests_failed,
+                       "engine_error": outcome.engine_error, "errors": outcome.errors[:5]}
+    try:
+        import vllm_overlay
+
+        vllm_overlay.flush()
+    except Exception:  # noqa: BLE001
+        pass
+    res["reports"] = common.reports_summary(os.environ.get("VLLM_OVERLAY_REPORT_DIR", ""))
+    with open(out, "w") as f:
+        json.dump(res, f)
+    os._exit(0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--child", default=None)
+    ap.add_argument("--model", default="qwen36-35b-a3b-geometry")
+    ap.add_argument("--config", choices=tuple(CONFIGS), default="overlay")
+    ap.add_argument("--mnbt", type=int, default=8192)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--mem", type=float, default=0.9)
+    ap.add_argument("--soak-seconds", type=float, default=0)
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--timeout", type=int, default=560)
+    args = ap.parse_args()
+    if args.child:
+        child(args.child, args)
+        return
+    tag = f"bench-{args.model}-{args.config}-mnbt{args.mnbt}"
+    env = {**CONFIGS[args.config], "VLLM_OVERLAY_REPORT_DIR": os.path.join(args.out, f"reports-{tag}")}
+    fwd = ["--model", args.model, "--config", args.config, "--mnbt", str(args.mnbt), "--reps", str(args.reps),
+           "--mem", str(args.mem), "--soak-seconds", str(args.soak_seconds)]
+    r = common.run_child(os.path.abspath(__file__), fwd, env, os.path.join(args.out, f"{tag}.log"), args.timeout)
+    r.update({"script": "bench/bench.py", "environment": common.environment(),
+              "settings": {"compilation": "vLLM default (torch.compile + CUDA graphs)", "gdn_prefill_backend":
+                           "triton", "prefix_caching": False, "max_model_len": 32768, "max_num_seqs": 64,
+                           "gpu_memory_utilization": args.mem, "weights": "dummy bf16"}})
+    common.write_result(os.path.join(args.out, f"{tag}.json"), r)
+
+
+if __name__ == "__main__":
+    main()

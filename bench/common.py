@@ -1,0 +1,120 @@
+"""Shared pieces of the GPU bench scripts: model folders, the bug report's traffic, report reading.
+
+Runs on a CUDA machine with vLLM 0.20.2 and this package installed (see ../../shared/gpu/ for the
+lent H200). Every configuration is its own process: the overlay reads its settings once per
+vLLM process.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import platform
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BUG_SHAPE = [2500, 2600, 2400] + [40] * 8  # one scheduler step of 7820 tokens
+BAND = (4096, 8192)
+
+
+def model_dir(name: str) -> str:
+    """A folder holding only config.json (weights: load_format=dummy)."""
+    if name == "tiny":
+        from vllm_overlay.models import tiny_hybrid_dir
+
+        return tiny_hybrid_dir()
+    src = os.path.join(HERE, "models", f"{name}.json")
+    dst = os.path.join(tempfile.gettempdir(), f"vllm-overlay-model-{name}")
+    os.makedirs(dst, exist_ok=True)
+    shutil.copy(src, os.path.join(dst, "config.json"))
+    return dst
+
+
+def prompts(lens: list[int], seed: int = 0, vocab: int = 4000) -> list[dict[str, list[int]]]:
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(10, vocab) for _ in range(n)]} for n in lens]
+
+
+def environment() -> dict[str, Any]:
+    import torch
+    import vllm
+
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "gpus": torch.cuda.device_count(),
+        "vllm": vllm.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def reports_summary(report_dir: str) -> dict[str, Any]:
+    from vllm_overlay.cli.report import load
+    from vllm_overlay.telemetry import merge_sizes
+
+    reps = load(report_dir) if os.path.isdir(report_dir) else []
+    sizes = merge_sizes(reps)
+    workers = [r for r in reps if r.get("engine_config")]
+    return {
+        "processes": [{"pid": r["pid"], "role": r["role"], "counts": r["counts"],
+                       "load_apply_s": r["load_apply_s"]} for r in reps],
+        "patches": {pid: rec["status"] for r in workers for pid, rec in r["patches"].items()},
+        "forwards": sum(sizes.values()),
+        "band_forwards": sum(c for s, c in sizes.items() if BAND[0] < s <= BAND[1]),
+        "max_forward": max(sizes) if sizes else None,
+        "guard_trips": sum(r["counters"].get("guard_trips", 0) for r in reps),
+        "buffers": [b for r in workers for b in r.get("buffers", [])],
+        "profile_forward_tokens": [t for r in workers for t in r["telemetry"]["profile_forward_tokens"]],
+        "buckets": {k: v for r in workers for k, v in r["telemetry"]["forwards"].get("buckets", {}).items()},
+    }
+
+
+def classify(text: str) -> str | None:
+    for needle, name in (("setStorage", "setStorage (Inductor alias regeneration past the buffer)"),
+                         ("FakeTensor", "Dynamo fake-tensor shape mismatch in the profiling forward"),
+                         ("CapacityError", "vllm-overlay CapacityError (clear error, no crash)"),
+                         ("out of memory", "CUDA out of memory")):
+        if needle in text:
+            return name
+    return None
+
+
+def run_child(script: str, args: list[str], env: dict[str, str], log_path: str, timeout: int) -> dict[str, Any]:
+    """Run one configuration in its own process; returns its JSON result (or the failure)."""
+    out = log_path.replace(".log", ".json")
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_OVERLAY", "GENESIS_"))}
+    full_env.update(env)
+    t0 = time.time()
+    with open(log_path, "w") as log:
+        try:
+            rc = subprocess.run([sys.executable, script, "--child", out, *args], env=full_env, stdout=log,
+                                stderr=subprocess.STDOUT, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    text = open(log_path, errors="replace").read()
+    res = json.load(open(out)) if os.path.exists(out) else {"ok": False}
+    res.update({"returncode": rc, "wall_s": round(time.time() - t0, 1)})
+    if not res.get("ok"):
+        res["failure"] = classify(text + json.dumps(res.get("error", ""))) or "other"
+        res["log_tail"] = text[-2500:]
+    return res
+
+
+def write_result(path: str, data: dict[str, Any]) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+    print("wrote", path, flush=True)
+
+
+def newest(pattern: str) -> str | None:
+    found = sorted(glob.glob(pattern))
+    return found[-1] if found else None

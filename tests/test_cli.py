@@ -1,0 +1,73 @@
+"""The command line: plan, verify, doctor, report."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from conftest import clean_env
+
+BIN = os.path.join(os.path.dirname(sys.executable), "vllm-overlay")
+
+
+def cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([BIN, *args], capture_output=True, text=True, env=clean_env(COLUMNS="200", **env),
+                          timeout=300)
+
+
+def test_plan_is_the_ledger() -> None:
+    p = cli("plan", "--ledger")
+    assert p.returncode == 0, p.stderr
+    for pid in ("forward-telemetry", "compile-cache-key", "gdn-output-prealloc", "profile-run-cap",
+                "prefill-chunk-clamp"):
+        assert pid in p.stdout
+    assert "would apply" in p.stdout and "retire when" in p.stdout
+    # the profile cap's help says plainly that the overlay's sizing makes it unnecessary
+    assert "NOT needed" in p.stdout
+
+
+def test_plan_with_bad_switch_is_one_clear_error() -> None:
+    p = cli("plan", VLLM_OVERLAY_ENABLE="no-such-patch")
+    assert p.returncode == 2
+    assert "VLLM_OVERLAY_ENABLE: unknown patch id 'no-such-patch'; known ids:" in p.stderr
+
+
+def test_verify_clean_on_installed_vllm() -> None:
+    p = cli("verify")
+    assert p.returncode == 0, p.stdout
+    assert "2 ok, 0 drifted" in p.stdout
+
+
+def test_doctor_flags_dangerous_combinations() -> None:
+    p = cli("doctor", "--max-num-batched-tokens", "8192", GENESIS_PREALLOC_TOKEN_BUDGET="4096",
+            VLLM_OVERLAY_PROFILE_RUN_CAP="8192", VLLM_OVERLAY_PREFILL_CHUNK_CLAMP="10000",
+            VLLM_OVERLAY_TEST_GUARD="0")
+    out = p.stdout
+    assert p.returncode == 1  # the disabled guard is an error-level finding
+    assert "alias GENESIS_PREALLOC_TOKEN_BUDGET" in out
+    assert "GENESIS_PREALLOC_TOKEN_BUDGET=4096 is below max_num_batched_tokens 8192" in out
+    assert "VLLM_OVERLAY_PROFILE_RUN_CAP=8192 >= max_num_batched_tokens 8192" in out
+    assert "VLLM_OVERLAY_PREFILL_CHUNK_CLAMP=10000 > max_num_batched_tokens 8192" in out
+    assert "capacity guard is disabled" in out
+
+
+def test_doctor_names_a_bad_value() -> None:
+    p = cli("doctor", VLLM_OVERLAY_PROFILE_RUN_CAP="4k")
+    assert p.returncode == 1
+    assert "VLLM_OVERLAY_PROFILE_RUN_CAP='4k': expected an integer" in p.stdout.replace("\n", "")
+
+
+def test_report_pretty_prints(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    rep = {"pid": 1, "role": "worker rank 0", "vllm_version": "0.32.0", "load_apply_s": 0.01,
+           "counts": {"applied": 3, "armed": 0, "skipped": 0, "off": 2, "upstream-merged": 0, "failed": 0},
+           "patches": {"forward-telemetry": {"status": "applied", "reason": "on by default"}},
+           "counters": {"guard_trips": 0}, "buffers": [], "events": [], "written": 1.0,
+           "telemetry": {"forwards": {"count": 2, "min": 5, "max": 7820, "sizes": {"5": 1, "7820": 1}}}}
+    (tmp_path / "overlay-1.json").write_text(json.dumps(rep))
+    p = cli("report", str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    assert "worker rank 0" in p.stdout and "(4096, 8192]" in p.stdout
+    p = cli("report", str(tmp_path / "nothing"))
+    assert p.returncode == 2 and "not a directory" in p.stderr

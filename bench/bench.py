@@ -67,9 +67,10 @@ def child(out: str, args: argparse.Namespace) -> None:
     import json
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    cap = Capture()
-    logging.getLogger("vllm").addHandler(cap)
     from vllm import LLM, SamplingParams
+
+    cap = Capture()  # after importing vLLM, which configures its loggers at import
+    logging.getLogger("vllm").addHandler(cap)
 
     res: dict[str, Any] = {"config": args.config, "mnbt": args.mnbt, "model": args.model}
     t0 = time.time()

@@ -75,6 +75,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--mem", type=float, default=0.5)
     ap.add_argument("--timeout", type=int, default=300)
+    ap.add_argument("--tag", default="", help="suffix of the result file (runs split over several calls)")
     args = ap.parse_args()
     if args.child:
         child(args.child, args.model, args.mem)
@@ -102,7 +103,8 @@ def main() -> None:
         results["overlay_vs_stock"] = {"token_ids_equal": ov["token_ids"] == st["token_ids"],
                                        "max_abs_logprob_diff": max(diffs) if diffs else None}
         print("overlay vs stock:", results["overlay_vs_stock"], flush=True)
-    common.write_result(os.path.join(args.out, f"redgreen-{args.model}.json"), results)
+    suffix = f"-{args.tag}" if args.tag else ""
+    common.write_result(os.path.join(args.out, f"redgreen-{args.model}{suffix}.json"), results)
 
 
 if __name__ == "__main__":

@@ -102,7 +102,10 @@ def run_child(script: str, args: list[str], env: dict[str, str], log_path: str, 
     text = open(log_path, errors="replace").read()
     res = json.load(open(out)) if os.path.exists(out) else {"ok": False}
     res.update({"returncode": rc, "wall_s": round(time.time() - t0, 1)})
-    if not res.get("ok"):
+    if rc == "timeout":
+        res["failure"] = f"not measured: ended by this script's per-config limit of {timeout} s"
+        res["log_tail"] = text[-2500:]
+    elif not res.get("ok"):
         res["failure"] = classify(text + json.dumps(res.get("error", ""))) or "other"
         res["log_tail"] = text[-2500:]
     return res

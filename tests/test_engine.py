@@ -30,6 +30,7 @@ def stock(scenarios):  # type: ignore[no-untyped-def]
 def test_overlay_applies_in_the_worker_and_sees_the_band(overlay) -> None:  # type: ignore[no-untyped-def]
     assert overlay["ok"], overlay.get("traceback") or overlay["log"][-3000:]
     w = worker_report(overlay["reports"])
+    assert band_forwards(w) >= 1, "DID NOT TEST: no forward landed in (4096, 8192]"
     assert {p: w["patches"][p]["status"] for p in ("forward-telemetry", "gdn-output-prealloc", "compile-cache-key")} \
         == dict.fromkeys(("forward-telemetry", "gdn-output-prealloc", "compile-cache-key"), "applied")
     # the bug report's step: 2500 + 2600 + 2400 + 8 x 40 = 7820 tokens in one forward
@@ -66,9 +67,30 @@ def test_forced_small_buffer_fails_with_our_error(scenarios) -> None:  # type: i
     assert w["counters"]["guard_trips"] == 1
 
 
+def test_legacy_configuration_fails_inside_the_gdn_kernel(scenarios) -> None:  # type: ignore[no-untyped-def]
+    # the reference tree's configuration: 4096-row buffer, no guard; on the CPU build the GDN
+    # kernel's write into the short slice fails (on the H200 it is Inductor's setStorage: bench/)
+    r = scenarios.run("eager-legacy-4096", ["--shape", "bug"],
+                      {"VLLM_OVERLAY_TEST_BUFFER_ROWS": "4096", "VLLM_OVERLAY_TEST_GUARD": "0"})
+    w = worker_report(r["reports"])
+    assert band_forwards(w) >= 1, "DID NOT TEST: no forward landed in (4096, 8192]"
+    assert not r["ok"]
+    assert r["error"].startswith("RuntimeError: The expanded size of the tensor (4096) must match the existing "
+                                 "size (7820) at non-singleton dimension 0")
+    assert "ops/cpu/gdn_attention.py" in r["traceback"] and "core_attn_out[" in r["traceback"]
+    assert w["counters"]["guard_trips"] == 0 and w["counters"]["guard_checks"] == 0
+
+
+def test_user_budget_below_mnbt_is_refused_under_strict(scenarios) -> None:  # type: ignore[no-untyped-def]
+    r = scenarios.run("eager-strict-budget", ["--shape", "short"],
+                      {"VLLM_OVERLAY_PREALLOC_TOKEN_BUDGET": "4096", "VLLM_OVERLAY_STRICT": "1"})
+    assert not r["ok"]
+    assert "BudgetError" in r["error"] and "token budget 4096" in r["error"] and "(8192)" in r["error"]
+
+
 def test_short_prompt_clamp_and_alias(scenarios) -> None:  # type: ignore[no-untyped-def]
     r = scenarios.run("eager-short-clamp-alias", ["--shape", "short", "--max-tokens", "4"],
-                      {"VLLM_OVERLAY_PREFILL_CHUNK_CLAMP": "128", "GENESIS_PREALLOC_TOKEN_BUDGET": "12000"})
+                      {"VLLM_OVERLAY_PREFILL_CHUNK_CLAMP": "128", "GENESIS_PREALLOC_TOKEN_BUDGET": "4096"})
     assert r["ok"], r.get("traceback")
     w = worker_report(r["reports"])
     fw = w["telemetry"]["forwards"]
@@ -78,5 +100,8 @@ def test_short_prompt_clamp_and_alias(scenarios) -> None:  # type: ignore[no-unt
     assert fw["max"] <= 128 + 40 + 40
     assert w["patches"]["prefill-chunk-clamp"]["status"] == "applied" or any(
         "prefill-chunk-clamp" in e for r2 in r["reports"] for e in r2["events"])
+    # a user budget of 4096 (legacy alias) is raised to max_num_batched_tokens with the named warning
     (buf,) = w["buffers"]
-    assert buf["rows"] == 12000 and buf["source"] == "alias GENESIS_PREALLOC_TOKEN_BUDGET"
+    assert buf["rows"] == 8192 and buf["source"] == "alias GENESIS_PREALLOC_TOKEN_BUDGET"
+    assert ("token budget for gdn-output: 4096 from alias GENESIS_PREALLOC_TOKEN_BUDGET is below the largest "
+            "schedulable forward 8192; raised to 8192") in r["log"]

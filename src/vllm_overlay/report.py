@@ -111,7 +111,10 @@ class ProcessState:
             return " + ".join(parts)
         if "Worker" in name or "Worker" in title:
             return "worker"
-        if "APIServer" in title or "APIServer" in name or (len(sys.argv) > 1 and sys.argv[1] == "serve"):
+        main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+        main_name = getattr(main_spec, "name", "") or (sys.argv[0] if sys.argv else "")
+        if ("APIServer" in title or "APIServer" in name or (len(sys.argv) > 1 and sys.argv[1] == "serve")
+                or "api_server" in main_name):
             return "api server"
         return "driver"
 

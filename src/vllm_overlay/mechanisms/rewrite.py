@@ -71,8 +71,19 @@ def rewritten_source(rw: Rewrite, pristine: Located, where: str) -> str:
                 f"{where}: anchor #{i + 1} occurs {count} times (expected exactly 1): "
                 f"{edit.anchor.strip().splitlines()[0]!r}"
             )
-        text = text.replace(edit.anchor, edit.replacement)
+        text = text.replace(edit.anchor, _same_line_count(edit.anchor, edit.replacement))
     return text
+
+
+def _same_line_count(anchor: str, replacement: str) -> str:
+    """Pad a shorter replacement with comment lines, so every line after the edit keeps the line
+    number it has in the installed file (tracebacks then point at the right source lines)."""
+    missing = anchor.count("\n") - replacement.count("\n")
+    if missing <= 0:
+        return replacement
+    last = replacement.rstrip("\n").splitlines()[-1]
+    indent = last[: len(last) - len(last.lstrip())]
+    return replacement + f"{indent}# (vllm-overlay rewrite: line kept so line numbers match the file)\n" * missing
 
 
 def check_text(rw: Rewrite, file_text: str) -> str:

@@ -230,6 +230,7 @@ def register() -> None:
         STATE.vllm_version = inst.version if inst else None
         STATE.platform = inst.platform if inst else None
         decisions = decide(vllm=inst)
+        modules = {s.id: m for s, m in registry()}
         STATE.registered = True
         for d in decisions:
             if d.status != "planned":
@@ -241,7 +242,7 @@ def register() -> None:
                         )
                     LOG.warning("patch %s skipped: %s", d.spec.id, d.reason)
                 continue
-            module = dict((s.id, m) for s, m in registry())[d.spec.id]
+            module = modules[d.spec.id]
             active = Active(d.spec, module, pending=set(module.MODULES(inst.version)))
             _ACTIVE[d.spec.id] = active
             STATE.set_patch(d.spec.id, "armed", reason=d.reason, pending_modules=sorted(active.pending))

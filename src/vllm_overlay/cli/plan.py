@@ -24,12 +24,13 @@ def run(args: argparse.Namespace) -> int:
     inst = versions.installed_vllm()
     where = f"{inst.distribution} {inst.version} ({inst.platform})" if inst else "vLLM not installed"
     table = Table(title=f"vllm-overlay plan on {where}")
-    for col in ("patch", "decision", "reason", "mechanism", "vLLM", "targets"):
+    for col in ("patch", "decision", "reason", "mechanism", "vLLM"):
         table.add_column(col, overflow="fold")
+    table.add_column("targets", no_wrap=True)
     decisions = decide(vllm=inst)
     for d in decisions:
         s = d.spec
-        targets = "\n".join(str(t) for t in s.targets
+        targets = "\n".join(t.qualname for t in s.targets
                             if not t.vllm or (inst and versions.matches(inst.version, t.vllm)))
         status = "would apply" if d.status == "planned" else d.status
         table.add_row(s.id, f"[{STYLE[d.status]}]{status}[/]", d.reason, s.mechanism, s.vllm, targets)
@@ -45,6 +46,8 @@ def run(args: argparse.Namespace) -> int:
             console.print(f"[bold]requires[/]: {', '.join(s.requires) or '-'}   "
                           f"[bold]conflicts[/]: {', '.join(s.conflicts) or '-'}")
             console.print(f"[bold]settings[/]: {', '.join(s.settings) or '-'}")
+            for t in s.targets:
+                console.print(f"[bold]target[/]: {t}" + (f" (vLLM {t.vllm})" if t.vllm else ""))
             console.print(f"[bold]retire when[/]: {s.retire_when}")
             for rw in s.rewrites:
                 console.print(f"[bold]rewrite[/]: {rw.target} for vLLM {rw.version}, "

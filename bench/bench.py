@@ -128,16 +128,7 @@ def child(out: str, args: argparse.Namespace) -> None:
         res["soak"] = {"plan": plan.describe(), "wall_s": round(time.time() - t, 1),
                        "requests_ok": outcome.requests_ok, "requests_failed": outcome.requests_failed,
                        "engine_error": outcome.engine_error, "errors": outcome.errors[:5]}
-    try:
-        import vllm_overlay
-
-        vllm_overlay.flush()
-    except Exception:  # noqa: BLE001
-        pass
-    res["reports"] = common.reports_summary(os.environ.get("VLLM_OVERLAY_REPORT_DIR", ""))
-    with open(out, "w") as f:
-        json.dump(res, f)
-    os._exit(0)
+    common.finish_child(out, res)
 
 
 def main() -> None:

@@ -121,3 +121,18 @@ def write_result(path: str, data: dict[str, Any]) -> None:
 def newest(pattern: str) -> str | None:
     found = sorted(glob.glob(pattern))
     return found[-1] if found else None
+
+
+def finish_child(out: str, res: dict[str, Any]) -> None:
+    """Flush this process's overlay report, add its summary to ``res``, write ``out``, exit now
+    (a crashed engine may hang at interpreter exit)."""
+    try:
+        import vllm_overlay
+
+        vllm_overlay.flush()
+    except Exception:  # noqa: BLE001 - no overlay installed (stock runs still report nothing)
+        pass
+    res["reports"] = reports_summary(os.environ.get("VLLM_OVERLAY_REPORT_DIR", ""))
+    with open(out, "w") as f:
+        json.dump(res, f)
+    os._exit(0)

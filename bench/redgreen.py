@@ -55,16 +55,7 @@ def child(out: str, model: str, mem: float) -> None:
         res["ok"] = True
     except BaseException as exc:  # noqa: BLE001 - the error is the result
         res.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000], traceback=traceback.format_exc()[-3000:])
-    try:
-        import vllm_overlay
-
-        vllm_overlay.flush()
-    except Exception:  # noqa: BLE001
-        pass
-    res["reports"] = common.reports_summary(os.environ.get("VLLM_OVERLAY_REPORT_DIR", ""))
-    with open(out, "w") as f:
-        json.dump(res, f)
-    os._exit(0)  # a crashed engine may hang at interpreter exit
+    common.finish_child(out, res)
 
 
 def main() -> None:

@@ -16,7 +16,6 @@ greedy, logprobs of every generated token.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time

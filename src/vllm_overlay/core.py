@@ -8,7 +8,6 @@ skipped with one WARNING (or stops start-up under VLLM_OVERLAY_STRICT=1).
 from __future__ import annotations
 
 import importlib
-import logging
 import threading
 import time
 import traceback

@@ -52,11 +52,9 @@ def resolve(module_name: str, qualname: str) -> tuple[Any, str, Any]:
     if isinstance(owner, type):
         for klass in owner.__mro__:
             if name in vars(klass):
-                value = vars(klass)[name]
-                if klass is not owner:
-                    # defined on a base class: patch it on the class we were asked for
-                    return owner, name, value
-                return owner, name, value
+                # the defining class's own attribute (no descriptor binding); when it comes from a
+                # base class, the patch is set on the class we were asked for and revert restores it
+                return owner, name, vars(klass)[name]
         raise AttributeError(f"{module_name}:{qualname}: {owner.__name__} has no attribute {name!r}")
     if not hasattr(owner, name):
         raise AttributeError(f"{module_name}:{qualname}: no attribute {name!r}")

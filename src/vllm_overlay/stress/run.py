@@ -79,10 +79,14 @@ def execute(opts: Options, console: Console | None = None) -> dict[str, Any]:
 
 
 def _limits_offline(engine_args: dict[str, Any]) -> planmod.Limits:
+    """The plan's limits; the engine gets the same values, so the two can never disagree."""
+    engine_args.setdefault("max_num_batched_tokens", 8192)
+    engine_args.setdefault("max_model_len", 8192)
+    engine_args.setdefault("max_num_seqs", 64)
     return planmod.Limits(
-        max_num_batched_tokens=int(engine_args.get("max_num_batched_tokens") or 8192),
-        max_model_len=int(engine_args.get("max_model_len") or 8192),
-        max_num_seqs=int(engine_args.get("max_num_seqs") or 64),
+        max_num_batched_tokens=int(engine_args["max_num_batched_tokens"]),
+        max_model_len=int(engine_args["max_model_len"]),
+        max_num_seqs=int(engine_args["max_num_seqs"]),
         prefill_chunk_clamp=int(settings.value("VLLM_OVERLAY_PREFILL_CHUNK_CLAMP")),
     )
 

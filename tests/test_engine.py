@@ -105,3 +105,14 @@ def test_short_prompt_clamp_and_alias(scenarios) -> None:  # type: ignore[no-unt
     assert buf["rows"] == 8192 and buf["source"] == "alias GENESIS_PREALLOC_TOKEN_BUDGET"
     assert ("token budget for gdn-output: 4096 from alias GENESIS_PREALLOC_TOKEN_BUDGET is below the largest "
             "schedulable forward 8192; raised to 8192") in r["log"]
+
+
+def test_turboquant_k8v4_on_the_hybrid_with_the_overlay(scenarios) -> None:  # type: ignore[no-untyped-def]
+    # vLLM 0.32 supports TurboQuant on hybrids upstream (full-attention layers only); the overlay's
+    # GDN buffer and guard must compose with it on the bug report's traffic
+    r = scenarios.run("eager-turboquant-k8v4", ["--shape", "bug", "--kv-cache-dtype", "turboquant_k8v4"], {})
+    assert r["ok"], r.get("traceback") or r["log"][-3000:]
+    assert "TQ hybrid: full-attention layers [3]" in r["log"]
+    w = worker_report(r["reports"])
+    assert band_forwards(w) >= 1, "DID NOT TEST: no forward landed in (4096, 8192]"
+    assert w["patches"]["gdn-output-prealloc"]["status"] == "applied" and w["counters"]["guard_trips"] == 0

@@ -117,6 +117,8 @@ def child(out: str, args: argparse.Namespace) -> None:
             w["ttft_long_prompts_s"] = {"p50": statistics.median(ttft), "p99": max(ttft), "n": len(ttft)}
         res["workloads"][name] = w
         print(name, json.dumps(w), flush=True)
+        with open(out, "w") as f:  # partial results survive a time limit
+            json.dump(res, f)
     if args.soak_seconds:
         from vllm_overlay.stress import offline
         from vllm_overlay.stress.plan import Limits, make_plan

@@ -64,7 +64,8 @@ def main() -> None:
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--mem", type=float, default=0.5)
-    ap.add_argument("--timeout", type=int, default=300)
+    ap.add_argument("--timeout", type=int, default=420,
+                    help="per configuration; a cold H200 needs about 4 min per tiny-model boot (Triton autotune)")
     ap.add_argument("--tag", default="", help="suffix of the result file (runs split over several calls)")
     args = ap.parse_args()
     if args.child:

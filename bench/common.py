@@ -58,7 +58,7 @@ def environment() -> dict[str, Any]:
 
 def reports_summary(report_dir: str) -> dict[str, Any]:
     from vllm_overlay.cli.report import load
-    from vllm_overlay.telemetry import merge_sizes
+    from vllm_overlay.telemetry import in_band, merge_sizes
 
     reps = load(report_dir) if os.path.isdir(report_dir) else []
     sizes = merge_sizes(reps)
@@ -68,7 +68,7 @@ def reports_summary(report_dir: str) -> dict[str, Any]:
                        "load_apply_s": r["load_apply_s"]} for r in reps],
         "patches": {pid: rec["status"] for r in workers for pid, rec in r["patches"].items()},
         "forwards": sum(sizes.values()),
-        "band_forwards": sum(c for s, c in sizes.items() if BAND[0] < s <= BAND[1]),
+        "band_forwards": in_band(sizes, *BAND),
         "max_forward": max(sizes) if sizes else None,
         "guard_trips": sum(r["counters"].get("guard_trips", 0) for r in reps),
         "buffers": [b for r in workers for b in r.get("buffers", [])],

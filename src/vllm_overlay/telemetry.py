@@ -15,6 +15,20 @@ def bucket_of(n: int) -> str:
     return f"({lo}, {hi}]" if hi > 1 else "(0, 1]"
 
 
+def bucket_counts(sizes: dict[int, int]) -> dict[str, int]:
+    """Exact size counts folded into power-of-two buckets, smallest bucket first."""
+    buckets: dict[str, int] = {}
+    for size in sorted(sizes):
+        label = bucket_of(size)
+        buckets[label] = buckets.get(label, 0) + sizes[size]
+    return buckets
+
+
+def in_band(sizes: dict[int, int], lo: int, hi: int) -> int:
+    """How many forwards had a size in (lo, hi]."""
+    return sum(c for s, c in sizes.items() if lo < s <= hi)
+
+
 class Histogram:
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -34,17 +48,13 @@ class Histogram:
 
     def to_json(self) -> dict[str, Any]:
         with self._lock:
-            buckets: dict[str, int] = {}
-            for size in sorted(self.sizes):
-                label = bucket_of(size)
-                buckets[label] = buckets.get(label, 0) + self.sizes[size]
             return {
                 "count": self.count,
                 "tokens": self.tokens,
                 "min": self.min,
                 "max": self.max,
                 "sizes": {str(k): self.sizes[k] for k in sorted(self.sizes)},
-                "buckets": buckets,
+                "buckets": bucket_counts(self.sizes),
             }
 
 

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from vllm_overlay.errors import OverlayError
-from vllm_overlay.telemetry import bucket_of, merge_sizes
+from vllm_overlay.telemetry import bucket_counts, merge_sizes
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -62,18 +62,11 @@ def print_reports(console: Console, reports: list[dict[str, Any]]) -> None:
     console.print(patches)
     sizes = merge_sizes(reports)
     if sizes:
-        buckets: dict[str, int] = {}
-        order: list[str] = []
-        for size in sorted(sizes):
-            label = bucket_of(size)
-            if label not in buckets:
-                order.append(label)
-            buckets[label] = buckets.get(label, 0) + sizes[size]
         hist = Table(title="forwards by scheduled tokens (all workers)")
         hist.add_column("bucket")
         hist.add_column("forwards", justify="right")
-        for label in order:
-            hist.add_row(label, str(buckets[label]))
+        for label, count in bucket_counts(sizes).items():
+            hist.add_row(label, str(count))
         console.print(hist)
     for r in reports:
         for b in r.get("buffers", []):

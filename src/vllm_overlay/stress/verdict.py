@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_overlay.telemetry import in_band
+
 PASSED, FAILED, BAD_USAGE, DID_NOT_TEST = 0, 1, 2, 3
 NAMES = {PASSED: "PASSED", FAILED: "FAILED", BAD_USAGE: "BAD USAGE", DID_NOT_TEST: "DID NOT TEST"}
 
@@ -39,7 +41,7 @@ def percentile(values: list[float], q: float) -> float | None:
 
 def judge(lo: int, hi: int, min_band: int, sizes: dict[int, int], outcome: Outcome,
           reports: list[dict[str, Any]]) -> dict[str, Any]:
-    band = sum(c for s, c in sizes.items() if lo < s <= hi)
+    band = in_band(sizes, lo, hi)
     trips = sum(int(r.get("counters", {}).get("guard_trips", 0)) for r in reports)
     workers = [r for r in reports if r.get("patches", {}).get("forward-telemetry", {}).get("status") == "applied"]
     if outcome.engine_error or outcome.requests_failed:

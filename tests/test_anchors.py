@@ -23,13 +23,22 @@ def wheel_0_20_2() -> str:
 
 
 def test_0_20_2_wheel_anchors_and_hashes(wheel_0_20_2: str) -> None:
-    checks = anchors.check("0.20.2", anchors.wheel_reader(wheel_0_20_2))
-    assert len(checks) == 1 and all(c.ok for c in checks), [c.detail for c in checks]
-    # the rewritten 0.20.2 forward compiles and slices the shared buffer
-    rw = checks[0].rw
-    new = rewrite.check_text(rw, anchors.wheel_reader(wheel_0_20_2)(rw.path))
-    compile(new, "<check>", "exec")
-    assert "self._vllm_overlay_gdn_out[:num_tokens]" in new and "torch.zeros(" not in new
+    read = anchors.wheel_reader(wheel_0_20_2)
+    checks = anchors.check("0.20.2", read)
+    assert [c.patch_id for c in checks] == ["gdn-output-prealloc", "hybrid-turboquant", "hybrid-turboquant"]
+    assert all(c.ok for c in checks), [c.detail for c in checks]
+    new = {str(c.rw.target): rewrite.check_text(c.rw, read(c.rw.path)) for c in checks}
+    for text in new.values():
+        compile(text, "<check>", "exec")
+    # the rewritten 0.20.2 forward slices the shared buffer
+    gdn = new["vllm.model_executor.layers.mamba.gdn_linear_attn:GatedDeltaNetAttention.forward_cuda"]
+    assert "self._vllm_overlay_gdn_out[:num_tokens]" in gdn and "torch.zeros(" not in gdn
+    # the hybrid refusal is gone; the planner asks the overlay for TurboQuant's packed page
+    args = new["vllm.engine.arg_utils:EngineArgs.create_engine_config"]
+    assert "not supported for hybrid" not in args and "boundary_skip_layers(model_config, num_layers)" in args
+    plan = new["vllm.platforms.interface:Platform._align_hybrid_block_size"]
+    assert "attention_page_bytes_per_token(vllm_config, attn_page_size_1_token)" in plan
+    assert plan.startswith("def _align_hybrid_block_size(")  # rebound as a classmethod by apply()
 
 
 def test_drift_is_detected() -> None:

@@ -116,3 +116,5 @@ def test_turboquant_k8v4_on_the_hybrid_with_the_overlay(scenarios) -> None:  # t
     w = worker_report(r["reports"])
     assert band_forwards(w) >= 1, "DID NOT TEST: no forward landed in (4096, 8192]"
     assert w["patches"]["gdn-output-prealloc"]["status"] == "applied" and w["counters"]["guard_trips"] == 0
+    # our 0.20.x hybrid-turboquant patch stands aside: upstream does it here (vLLM PR 39931)
+    assert w["patches"]["hybrid-turboquant"]["status"] == "upstream-merged", w["patches"]["hybrid-turboquant"]

@@ -142,6 +142,14 @@ SETTINGS: tuple[Setting, ...] = (
         "max_num_batched_tokens.",
     ),
     Setting(
+        "VLLM_OVERLAY_TQ_HYBRID_BOUNDARY", _int_range(0, 64), 0,
+        "an integer in [0, 64] (0: every full-attention layer uses TurboQuant)",
+        "hybrid-turboquant (vLLM 0.20.x): how many of the FIRST and LAST full-attention layers of a "
+        "hybrid model keep the model dtype instead of TurboQuant (boundary protection). Default 0, "
+        "as vLLM 0.32 does on hybrids; capped so that both ends together keep at most half of the "
+        "full-attention layers (a loud line says so).",
+    ),
+    Setting(
         "VLLM_OVERLAY_TEST_BUFFER_ROWS", _int_range(1, TOKEN_MAX), None,
         f"an integer in [1, {TOKEN_MAX}]",
         "TEST ONLY. Forces the GDN buffer to this many rows, bypassing the resolver and its floor, "

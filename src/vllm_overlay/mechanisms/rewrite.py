@@ -22,10 +22,15 @@ from vllm_overlay.mechanisms import wrap as wrapmech
 from vllm_overlay.spec import Rewrite
 
 
+_DESCRIPTORS = {"classmethod": classmethod, "staticmethod": staticmethod}
+
+
 @dataclass(frozen=True)
 class Located:
-    source: str  # the function's lines as in the file (indentation kept)
-    first_line: int
+    source: str  # the function's lines as in the file, from ``def`` (indentation kept)
+    first_line: int  # the ``def`` line
+    decorator: str | None = None  # "classmethod" | "staticmethod" | None
+    code_first_line: int = 0  # where the code object starts (the decorator's line, if any)
 
 
 def locate(file_text: str, qualname: str, where: str) -> Located:
@@ -43,11 +48,19 @@ def locate(file_text: str, qualname: str, where: str) -> Located:
             raise AnchorError(f"{where}: {qualname} not found in the source")
         body = getattr(node, "body", [])
     assert node is not None and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+    decorator = None
     if node.decorator_list:
-        raise AnchorError(f"{where}: {qualname} is decorated; rewrite refuses decorated functions")
+        names = [d.id for d in node.decorator_list if isinstance(d, ast.Name)]
+        if len(node.decorator_list) != 1 or names[0:1] not in (["classmethod"], ["staticmethod"]):
+            raise AnchorError(
+                f"{where}: {qualname} has decorators other than one @classmethod/@staticmethod; "
+                "rewrite refuses it"
+            )
+        decorator = names[0]
     lines = file_text.splitlines(keepends=True)
     end = node.end_lineno or node.lineno
-    return Located("".join(lines[node.lineno - 1 : end]), node.lineno)
+    first_code = node.decorator_list[0].lineno if node.decorator_list else node.lineno
+    return Located("".join(lines[node.lineno - 1 : end]), node.lineno, decorator, first_code)
 
 
 def sha256(text: str) -> str:
@@ -97,7 +110,9 @@ def apply(rw: Rewrite, tag: str) -> wrapmech.Installed:
     module = importlib.import_module(rw.target.module)
     where = f"{rw.target} (vLLM {rw.version})"
     owner, name, original = wrapmech.resolve(rw.target.module, rw.target.qualname)
-    func = inspect.unwrap(original) if callable(original) else original
+    descriptor = next((k for k, t in _DESCRIPTORS.items() if isinstance(original, t)), None)
+    func = original.__func__ if descriptor else original
+    func = inspect.unwrap(func) if callable(func) else func
     code = getattr(func, "__code__", None)
     if code is None:
         raise AnchorError(f"{where}: not a plain function; cannot rewrite")
@@ -108,7 +123,12 @@ def apply(rw: Rewrite, tag: str) -> wrapmech.Installed:
     with open(file_name, encoding="utf-8") as f:
         file_text = f.read()
     pristine = locate(file_text, rw.target.qualname, where)
-    if code.co_firstlineno != pristine.first_line or code.co_filename != file_name:
+    if pristine.decorator != descriptor:
+        raise AnchorError(
+            f"{where}: the file declares it as {pristine.decorator or 'a plain function'} but the live "
+            f"attribute is {descriptor or 'a plain function'}; refusing to rewrite"
+        )
+    if code.co_firstlineno != pristine.code_first_line or code.co_filename != file_name:
         raise AnchorError(
             f"{where}: the live function is not the one in {file_name} (already replaced by "
             "someone else?); refusing to rewrite"
@@ -123,4 +143,5 @@ def apply(rw: Rewrite, tag: str) -> wrapmech.Installed:
     new.__module__ = func.__module__
     new.__doc__ = func.__doc__
     new.__vllm_overlay__ = tag
-    return wrapmech.rebind(rw.target.module, rw.target.qualname, new)
+    return wrapmech.rebind(rw.target.module, rw.target.qualname,
+                           _DESCRIPTORS[descriptor](new) if descriptor else new)

@@ -1,7 +1,8 @@
 """Throughput and boot figures for one configuration, one boot (vLLM 0.20.2 on a CUDA GPU).
 
   python bench/bench.py --model qwen36-35b-a3b-geometry --config overlay --mnbt 8192 --out DIR
-      [--soak-seconds 240] [--reps 3]
+      [--kv-cache-dtype turboquant_k8v4] [--cap 4096] [--logprobs]
+      [--soak-waves 2000 [--soak-seconds 300]] [--workloads decode-1,band-mix] [--reps 3]
 
 Workloads (each: one warm-up run discarded, then --reps runs; median, min, max):
   decode-1     one stream, 32-token prompt, 256 tokens out
@@ -10,8 +11,11 @@ Workloads (each: one warm-up run discarded, then --reps runs; median, min, max):
   band-mix     2500 + 2600 + 2400 + 8 x 64 token prompts queued together, 128 out each
                (TTFT of the three long prompts from the engine's own steps)
 Also: boot time and vLLM's own "init engine (profile, create kv cache, warmup model)" time, the KV
-cache size in tokens, the overlay's load+apply time per process (from its reports), and, with
---soak-seconds, a band soak through `vllm_overlay.stress` (forwards in (4096, 8192]).
+cache size in tokens, the overlay's load+apply time per process (from its reports); with
+--logprobs, the top-20 logprobs of the first generated token for 8 fixed prompts (to compare KV
+cache dtypes or configurations across boots: `compare.py`); with --soak-waves, a band soak through
+`vllm_overlay.stress` (each wave: prefills co-scheduled with decodes in one forward in
+(4096, 8192]), bounded by --soak-seconds. The soak runs before the timed workloads.
 """
 
 from __future__ import annotations
@@ -72,18 +76,25 @@ def child(out: str, args: argparse.Namespace) -> None:
     cap = Capture()  # after importing vLLM, which configures its loggers at import
     logging.getLogger("vllm").addHandler(cap)
 
-    res: dict[str, Any] = {"config": args.config, "mnbt": args.mnbt, "model": args.model}
+    res: dict[str, Any] = {"config": args.config, "mnbt": args.mnbt, "model": args.model,
+                           "kv_cache_dtype": args.kv_cache_dtype, "profile_run_cap": args.cap}
     t0 = time.time()
     llm = LLM(model=common.model_dir(args.model), load_format="dummy", skip_tokenizer_init=True,
               max_num_batched_tokens=args.mnbt, max_model_len=32768, max_num_seqs=64, dtype="bfloat16",
               gpu_memory_utilization=args.mem, enable_prefix_caching=False, seed=0,
-              additional_config={"gdn_prefill_backend": "triton"})
+              kv_cache_dtype=args.kv_cache_dtype, additional_config={"gdn_prefill_backend": "triton"})
     res["boot_s"] = round(time.time() - t0, 1)
     for line in cap.lines:
         if m := re.search(r"init engine \(profile, create kv cache, warmup model\) took ([0-9.]+)", line):
             res["init_engine_s"] = float(m.group(1))
         if m := re.search(r"KV cache size: ([0-9,]+) tokens", line):
             res["kv_cache_tokens"] = int(m.group(1).replace(",", ""))
+        if m := re.search(r"Setting attention block size to (\d+) tokens", line):
+            res["attention_block_size"] = int(m.group(1))
+        if "hybrid-turboquant:" in line or "Using TURBOQUANT" in line:
+            res.setdefault("turboquant_lines", []).append(line)
+    with open(out, "w") as f:
+        json.dump(res, f)
     engine = llm.llm_engine
     n = 0
 
@@ -95,6 +106,31 @@ def child(out: str, args: argparse.Namespace) -> None:
         n += 1
         return [(f"r{n}-{i}", p, sp(o)) for i, (p, o) in enumerate(zip(common.prompts(lens, seed=n), outs))]
 
+    if args.logprobs:
+        lp_params = SamplingParams(max_tokens=1, temperature=0, logprobs=20, detokenize=False)
+        lens = [16, 64, 256, 1024, 2400, 2500, 2600, 4000]
+        outs = llm.generate(common.prompts(lens, seed=1234), lp_params, use_tqdm=False)
+        res["logprobs"] = [{"prompt_tokens": n, "top": {str(t): lp.logprob for t, lp in o.outputs[0].logprobs[0].items()}}
+                           for n, o in zip(lens, outs)]
+        with open(out, "w") as f:
+            json.dump(res, f)
+    if args.soak_waves:
+        from vllm_overlay.stress import offline
+        from vllm_overlay.stress.plan import Limits, make_plan
+
+        plan = make_plan(4096, 8192, Limits(args.mnbt, 32768, 64), args.soak_waves, None, prefill_out_tokens=1)
+        plan = type(plan)(**{**plan.to_json(), "waves": args.soak_waves})
+        t = time.time()
+        outcome = offline.run(llm, plan, args.soak_seconds or None, 1, lambda done, total: None)
+        res["soak"] = {"plan": plan.describe(), "wall_s": round(time.time() - t, 1),
+                       "requests_ok": outcome.requests_ok, "requests_failed": outcome.requests_failed,
+                       "engine_error": outcome.engine_error, "errors": outcome.errors[:5]}
+        print("soak", json.dumps(res["soak"]), flush=True)
+        with open(out, "w") as f:
+            json.dump(res, f)
+        if outcome.engine_error:
+            common.finish_child(out, res)
+
     workloads = {
         "decode-1": ([32], [256]),
         "decode-16": ([32] * 16, [256] * 16),
@@ -103,6 +139,8 @@ def child(out: str, args: argparse.Namespace) -> None:
     }
     res["workloads"] = {}
     for name, (lens, outs) in workloads.items():
+        if args.workloads and name not in args.workloads.split(","):
+            continue
         run_engine(engine, reqs(lens, outs))  # warm-up: first run of a new shape can be slow
         secs, tps, ttft = [], [], []
         for _ in range(args.reps):
@@ -119,17 +157,6 @@ def child(out: str, args: argparse.Namespace) -> None:
         print(name, json.dumps(w), flush=True)
         with open(out, "w") as f:  # partial results survive a time limit
             json.dump(res, f)
-    if args.soak_seconds:
-        from vllm_overlay.stress import offline
-        from vllm_overlay.stress.plan import Limits, make_plan
-
-        plan = make_plan(4096, 8192, Limits(args.mnbt, 32768, 64), 2000, None, prefill_out_tokens=1)
-        plan = type(plan)(**{**plan.to_json(), "waves": 100000})
-        t = time.time()
-        outcome = offline.run(llm, plan, args.soak_seconds, 1, lambda done, total: None)
-        res["soak"] = {"plan": plan.describe(), "wall_s": round(time.time() - t, 1),
-                       "requests_ok": outcome.requests_ok, "requests_failed": outcome.requests_failed,
-                       "engine_error": outcome.engine_error, "errors": outcome.errors[:5]}
     common.finish_child(out, res)
 
 
@@ -141,22 +168,36 @@ def main() -> None:
     ap.add_argument("--mnbt", type=int, default=8192)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--mem", type=float, default=0.9)
-    ap.add_argument("--soak-seconds", type=float, default=0)
+    ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--cap", type=int, default=0, help="VLLM_OVERLAY_PROFILE_RUN_CAP (0: no cap)")
+    ap.add_argument("--logprobs", action="store_true")
+    ap.add_argument("--workloads", default="", help="comma-separated subset (default: all)")
+    ap.add_argument("--soak-waves", type=int, default=0)
+    ap.add_argument("--soak-seconds", type=float, default=0, help="time bound of the soak (0: none)")
+    ap.add_argument("--tag", default="")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--timeout", type=int, default=560)
     args = ap.parse_args()
     if args.child:
         child(args.child, args)
         return
-    tag = f"bench-{args.model}-{args.config}-mnbt{args.mnbt}"
+    kv = "" if args.kv_cache_dtype == "auto" else f"-{args.kv_cache_dtype.removeprefix('turboquant_')}"
+    tag = f"bench-{args.model}-{args.config}-mnbt{args.mnbt}{kv}{f'-cap{args.cap}' if args.cap else ''}{args.tag}"
     env = {**CONFIGS[args.config], "VLLM_OVERLAY_REPORT_DIR": os.path.join(args.out, f"reports-{tag}")}
+    if args.cap:
+        env["VLLM_OVERLAY_PROFILE_RUN_CAP"] = str(args.cap)
     fwd = ["--model", args.model, "--config", args.config, "--mnbt", str(args.mnbt), "--reps", str(args.reps),
-           "--mem", str(args.mem), "--soak-seconds", str(args.soak_seconds)]
+           "--mem", str(args.mem), "--soak-seconds", str(args.soak_seconds), "--soak-waves", str(args.soak_waves),
+           "--kv-cache-dtype", args.kv_cache_dtype, "--cap", str(args.cap), "--workloads", args.workloads]
+    if args.logprobs:
+        fwd.append("--logprobs")
     r = common.run_child(os.path.abspath(__file__), fwd, env, os.path.join(args.out, f"{tag}.log"), args.timeout)
     r.update({"script": "bench/bench.py", "environment": common.environment(),
               "settings": {"compilation": "vLLM default (torch.compile + CUDA graphs)", "gdn_prefill_backend":
                            "triton", "prefix_caching": False, "max_model_len": 32768, "max_num_seqs": 64,
-                           "gpu_memory_utilization": args.mem, "weights": "dummy bf16"}})
+                           "gpu_memory_utilization": args.mem, "weights": "dummy bf16", "mnbt": args.mnbt,
+                           "kv_cache_dtype": args.kv_cache_dtype, "profile_run_cap": args.cap or None,
+                           "overlay": args.config == "overlay", "reps": args.reps}})
     common.write_result(os.path.join(args.out, f"{tag}.json"), r)
 
 

@@ -55,16 +55,24 @@ def bench_rows(paths: list[str]) -> list[str]:
                        f"| | | | | | | | | {os.path.relpath(p, ROOT)} |")
             continue
         w = r["workloads"]
-        ttft = w["band-mix"].get("ttft_long_prompts_s") or {}
+
+        def get(name: str, key: str) -> dict | None:  # type: ignore[type-arg]
+            return w.get(name, {}).get(key)
+
+        ttft = w.get("band-mix", {}).get("ttft_long_prompts_s")
+        ttft_text = f"{ttft['p50']:.3f}/{ttft['p99']:.3f}" if ttft else "-"
         procs = r.get("reports", {}).get("processes", [])
         load = max((x["load_apply_s"] or 0) for x in procs) * 1000 if procs else None
+        kv = r.get("kv_cache_dtype", "auto")
+        config = r["config"] + ("" if kv == "auto" else f", KV {kv}") + (
+            f", cap {r['profile_run_cap']}" if r.get("profile_run_cap") else "")
         out.append(
-            f"| {r['model']} | {r['config']} | {r['mnbt']} | {r.get('boot_s')} | {r.get('init_engine_s', '-')} | "
-            f"{r.get('kv_cache_tokens', '-')} | {fmt_stat(w['decode-1']['tokens_per_s'])} | "
-            f"{fmt_stat(w['decode-16']['tokens_per_s'])} | {fmt_stat(w['prefill-8k']['seconds'], digits=3)} | "
-            f"{fmt_stat(w['band-mix']['tokens_per_s'])} | "
-            f"{ttft.get('p50', 0):.3f}/{ttft.get('p99', 0):.3f} | {'-' if load is None else f'{load:.0f}'} | "
-            f"{os.path.relpath(p, ROOT)} |")
+            f"| {r['model']} | {config} | {r['mnbt']} | {r.get('boot_s')} | {r.get('init_engine_s', '-')} | "
+            f"{r.get('kv_cache_tokens', '-')} | {fmt_stat(get('decode-1', 'tokens_per_s'))} | "
+            f"{fmt_stat(get('decode-16', 'tokens_per_s'))} | {fmt_stat(get('prefill-8k', 'seconds'), digits=3)} | "
+            f"{fmt_stat(get('band-mix', 'tokens_per_s'))} | "
+            f"{ttft_text} | "
+            f"{'-' if load is None else f'{load:.0f}'} | {os.path.relpath(p, ROOT)} |")
     soaks = []
     for p in paths:
         r = json.load(open(p))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from types import ModuleType
 from typing import Any
 
@@ -20,11 +21,16 @@ SPEC = PatchSpec(
         "buffer caused; with this overlay's buffer sizing that crash does not happen, so the cap "
         "is NOT needed for it. It remains useful only to shorten or shrink profiling on purpose. "
         "It caps the profiling forward alone: every buffer still follows the token-budget "
-        "resolver. When it fires it says that activations above the cap were not profiled, so "
-        "the KV cache may be sized larger than the largest forward leaves room for."
+        "resolver, and before CUDA graph capture (after which vLLM locks its workspaces, e.g. the "
+        "fused-MoE one) one un-profiled dummy forward of the full size sizes those workspaces for "
+        "max_num_batched_tokens, not the cap (measured on the H200 with vLLM 0.20.2: without it the "
+        "first forward above the cap dies with 'Workspace is locked but allocation from "
+        "modular_kernel.py ... requires 16.00 MB, current size is 8.00 MB'). When it fires it says "
+        "that activations above the cap were not profiled, so the KV cache may be sized larger than "
+        "the largest forward leaves room for; that full-size forward then fails at boot, not later."
     ),
     upstream="https://github.com/vllm-project/vllm/blob/v0.20.2/vllm/v1/worker/gpu_model_runner.py (profile_run)",
-    targets=(Target(RUNNER_MODULE, f"{RUNNER}._dummy_run"),),
+    targets=(Target(RUNNER_MODULE, f"{RUNNER}._dummy_run"), Target(RUNNER_MODULE, f"{RUNNER}.capture_model")),
     mechanism="wrap",
     vllm=">=0.20.2,<=0.32.0",
     default=False,
@@ -36,6 +42,9 @@ SPEC = PatchSpec(
 
 def MODULES(version: str) -> list[str]:  # noqa: N802 - part of the patch interface
     return [RUNNER_MODULE]
+
+
+_capped: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()  # runner -> uncapped tokens
 
 
 def _dummy_run(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -52,6 +61,7 @@ def _dummy_run(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[
     )
     LOG.warning(msg)
     STATE.event(msg)
+    _capped[instance] = n
     if "num_tokens" in kwargs:
         kwargs = {**kwargs, "num_tokens": cap}
     else:
@@ -59,5 +69,28 @@ def _dummy_run(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[
     return wrapped(*args, **kwargs)
 
 
+def _capture_model(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    n = _capped.pop(instance, None)
+    if n:
+        msg = (
+            f"profile-run-cap: one un-profiled dummy forward of {n} tokens before CUDA graph capture, "
+            "so that the workspaces vLLM locks after capture are sized for max_num_batched_tokens, "
+            "not for the cap"
+        )
+        LOG.warning(msg)
+        STATE.event(msg)
+        try:
+            instance._dummy_run(n, skip_eplb=True, remove_lora=False)
+        except Exception as exc:
+            cap = settings.value("VLLM_OVERLAY_PROFILE_RUN_CAP")
+            raise RuntimeError(
+                f"vllm-overlay profile-run-cap: a forward of {n} tokens (max_num_batched_tokens) failed "
+                f"after the KV cache was sized with VLLM_OVERLAY_PROFILE_RUN_CAP={cap}: {exc}. The cap "
+                "left activations above it unprofiled; unset the cap or lower gpu_memory_utilization."
+            ) from exc
+    return wrapped(*args, **kwargs)
+
+
 def install(module_name: str, module: ModuleType) -> list[Installed]:
-    return [wrap(RUNNER_MODULE, f"{RUNNER}._dummy_run", _dummy_run)]
+    return [wrap(RUNNER_MODULE, f"{RUNNER}._dummy_run", _dummy_run),
+            wrap(RUNNER_MODULE, f"{RUNNER}.capture_model", _capture_model)]

@@ -129,6 +129,7 @@ def child(out: str, args: argparse.Namespace) -> None:
         with open(out, "w") as f:
             json.dump(res, f)
         if outcome.engine_error:
+            res["ok"] = False
             common.finish_child(out, res)
 
     workloads = {
@@ -157,6 +158,7 @@ def child(out: str, args: argparse.Namespace) -> None:
         print(name, json.dumps(w), flush=True)
         with open(out, "w") as f:  # partial results survive a time limit
             json.dump(res, f)
+    res["ok"] = True
     common.finish_child(out, res)
 
 

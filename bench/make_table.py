@@ -51,8 +51,10 @@ def bench_rows(paths: list[str]) -> list[str]:
     for p in paths:
         r = json.load(open(p))
         if not r.get("workloads"):
-            out.append(f"| {r.get('model')} | {r.get('config')} | {r.get('mnbt')} | FAILED: {r.get('failure')} "
-                       f"| | | | | | | | | {os.path.relpath(p, ROOT)} |")
+            what = r.get("failure") if r.get("returncode") == "timeout" else f"FAILED: {r.get('failure')}"
+            out.append(f"| {r.get('model')} | {r.get('config')}, KV {r.get('kv_cache_dtype', 'auto')} | "
+                       f"{r.get('mnbt')} | {r.get('boot_s', '-')} | {r.get('init_engine_s', '-')} | "
+                       f"{r.get('kv_cache_tokens', '-')} | {what} | | | | | | {os.path.relpath(p, ROOT)} |")
             continue
         w = r["workloads"]
 
@@ -119,6 +121,73 @@ def stress_section(paths: list[str]) -> list[str]:
     return out + [""]
 
 
+def _logprob_agreement(a: list[dict], b: list[dict]) -> str:  # type: ignore[type-arg]
+    diffs, top1, spread = [], 0, []
+    for x, y in zip(a, b):
+        shared = set(x["top"]) & set(y["top"])
+        diffs += [abs(x["top"][t] - y["top"][t]) for t in shared]
+        top1 += max(x["top"], key=x["top"].get) == max(y["top"], key=y["top"].get)
+        spread.append(max(y["top"].values()) - min(y["top"].values()))
+    return (f"{len(a)} prompts: max abs diff {max(diffs):.2g} over {len(diffs)} shared top-20 entries, "
+            f"top-1 equal {top1}/{len(a)}; spread of the bf16 top-20 {min(spread):.3f}-{max(spread):.3f} nats")
+
+
+def turboquant_section(res: str) -> list[str]:
+    out = ["### TurboQuant KV cache on the hybrid (patch `hybrid-turboquant`, vLLM 0.20.2)", ""]
+    kern = os.path.join(res, "tq-kernel-h200.json")
+    if os.path.exists(kern):
+        k = json.load(open(kern))
+        st = k["settings"]
+        out += [f"Kernel level (`bench/tq_kernel.py`, bounded in `tests/gpu/test_turboquant_kernel.py`): vLLM's "
+                f"TurboQuant store + decode kernels vs {st['reference']}; {st['num_q_heads']} query heads over "
+                f"{st['num_kv_heads']} KV heads, batch {st['batch']} (ragged lengths), block size {st['block_size']}. "
+                f"{k['gpu']}, vLLM {k['vllm']}, torch {k['torch']}, {k['date']}.", "",
+                "| preset | head_dim | tokens | relative error | cosine | min row cosine | bf16 floor (rel. error) |",
+                "|---|---|---|---|---|---|---|"]
+        for r in k["results"]:
+            if r["status"] != "ok":
+                out.append(f"| {r['preset']} | {r['head_dim']} | {r['seq_len']} | {r['status']} | | | |")
+                continue
+            t, f = r["tq"], r["bf16"]
+            out.append(f"| {r['preset']} | {r['head_dim']} | {r['seq_len']} | {t['rel_err']:.4f} | {t['cosine']:.5f} | "
+                       f"{t['min_row_cosine']:.5f} | {f['rel_err']:.4f} |")
+        out.append("")
+    benches = [json.load(open(p)) | {"_file": os.path.relpath(p, ROOT)}
+               for p in sorted(glob.glob(os.path.join(res, "bench-*.json")))]
+    rows = []
+    for tq in benches:
+        if not str(tq.get("kv_cache_dtype", "auto")).startswith("turboquant_"):
+            continue
+        same = [b for b in benches if b.get("kv_cache_dtype") == "auto" and all(
+            b.get(key) == tq.get(key) for key in ("model", "config", "mnbt", "profile_run_cap"))]
+        bf = same[0] if same else {}
+        ratio = (f"{tq['kv_cache_tokens'] / bf['kv_cache_tokens']:.2f} x" if bf.get("kv_cache_tokens")
+                 and tq.get("kv_cache_tokens") else "no bf16 run with the same script and settings yet")
+        lp = (_logprob_agreement(tq["logprobs"], bf["logprobs"]) if tq.get("logprobs") and bf.get("logprobs")
+              else "not measured")
+        soak = tq.get("soak") or {}
+        rep = tq.get("reports", {})
+        rows.append(f"| {tq['model']} | {tq['kv_cache_dtype']} | {tq.get('kv_cache_tokens', '-')} | "
+                    f"{bf.get('kv_cache_tokens', '-')} | {ratio} | {tq.get('attention_block_size', '-')} / "
+                    f"{bf.get('attention_block_size', '-')} | {rep.get('band_forwards', '-')} band forwards, "
+                    f"{soak.get('requests_ok', '-')} ok / {soak.get('requests_failed', '-')} failed in "
+                    f"{soak.get('wall_s', '-')} s, guard trips {rep.get('guard_trips', '-')} | {lp} | "
+                    f"{tq['_file']} |")
+    if rows:
+        out += ["Engine level (`bench/bench.py`, same gpu_memory_utilization, mnbt and profile cap on both sides):", "",
+                "| model | KV dtype | KV tokens | bf16 KV tokens | ratio | attention block size TQ / bf16 | band soak "
+                "(TQ) | first-token logprobs TQ vs bf16 | file |", "|---|---|---|---|---|---|---|---|---|", *rows, ""]
+    red = os.path.join(res, "tq-tiny-cap4096-before-workspace-fix.json")
+    if os.path.exists(red):
+        r = json.load(open(red))
+        out += [f"Before the profile-run-cap workspace fix ({os.path.relpath(red, ROOT)}): the tiny model with "
+                f"{r['kv_cache_dtype']} and cap {r['profile_run_cap']} booted (KV {r.get('kv_cache_tokens')} tokens) "
+                f"and died on its first forward above the cap: "
+                f"`{next((ln.split(']: ', 1)[-1] for ln in r.get('log_tail', '').splitlines() if 'AssertionError: Workspace' in ln), '?')}`",
+                ""]
+    return out if len(out) > 2 else []
+
+
 def main() -> None:
     res = os.path.join(HERE, "results")
     lines = ["# Benchmarks", "", "Generated by `python bench/make_table.py` from `bench/results/*.json`; every "
@@ -133,6 +202,7 @@ def main() -> None:
     benches = sorted(glob.glob(os.path.join(res, "bench-*.json")))
     if benches:
         lines += bench_rows(benches)
+    lines += turboquant_section(res)
     notes = os.path.join(HERE, "notes.md")
     if os.path.exists(notes):
         lines += [open(notes).read()]

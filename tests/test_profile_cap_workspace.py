@@ -1,0 +1,73 @@
+"""profile-run-cap sizes vLLM's locked workspaces for max_num_batched_tokens, not for the cap.
+
+On the H200 (vLLM 0.20.2) a capped profiling forward left the fused-MoE workspace at the cap's
+size; vLLM locks workspaces at the end of CUDA graph capture, and the first forward above the cap
+died (bench/results/tq-tiny-cap4096-before-workspace-fix.json). The CPU build never captures CUDA
+graphs (its worker does not call capture_model), so here a small stand-in runner takes the place of
+GPUModelRunner, wrapped exactly as the patch wraps the real one. The GPU runs after the fix are in
+bench/results/ (cap 4096, band forwards served).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import wrapt
+
+from vllm_overlay.patches import profile_run_cap as prc
+
+
+class StandInRunner:
+    """Stands in for GPUModelRunner: records dummy forwards; capture_model 'locks' the workspace."""
+
+    def __init__(self) -> None:
+        self.events: list[Any] = []
+        self.fail_at: int | None = None
+
+    def _dummy_run(self, num_tokens: int, **kwargs: Any) -> None:
+        if self.fail_at is not None and num_tokens >= self.fail_at:
+            raise MemoryError(f"CUDA out of memory at {num_tokens} tokens")
+        self.events.append(("forward", num_tokens, bool(kwargs.get("is_profile"))))
+
+    def capture_model(self) -> int:
+        self.events.append(("capture+lock",))
+        return 0
+
+
+@pytest.fixture()
+def runner_cls():  # type: ignore[no-untyped-def]
+    cls = type("Runner", (StandInRunner,), {})
+    cls._dummy_run = wrapt.FunctionWrapper(StandInRunner._dummy_run, prc._dummy_run)
+    cls.capture_model = wrapt.FunctionWrapper(StandInRunner.capture_model, prc._capture_model)
+    return cls
+
+
+def test_full_size_forward_before_the_workspace_is_locked(runner_cls, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("VLLM_OVERLAY_PROFILE_RUN_CAP", "4096")
+    r = runner_cls()
+    with caplog.at_level("WARNING", logger="vllm_overlay"):
+        r._dummy_run(8192, is_profile=True)
+        r.capture_model()
+    assert r.events == [("forward", 4096, True), ("forward", 8192, False), ("capture+lock",)]
+    assert any("one un-profiled dummy forward of 8192 tokens" in m for m in caplog.messages)
+    r.capture_model()  # once per capped profile: a second capture adds nothing
+    assert r.events[-2:] == [("capture+lock",), ("capture+lock",)]
+
+
+def test_no_extra_forward_when_the_cap_did_not_fire(runner_cls, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("VLLM_OVERLAY_PROFILE_RUN_CAP", "16384")
+    r = runner_cls()
+    r._dummy_run(8192, is_profile=True)
+    r.capture_model()
+    assert r.events == [("forward", 8192, True), ("capture+lock",)]
+
+
+def test_a_full_size_forward_that_does_not_fit_fails_at_boot_naming_the_cap(runner_cls, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("VLLM_OVERLAY_PROFILE_RUN_CAP", "4096")
+    r = runner_cls()
+    r.fail_at = 8192
+    r._dummy_run(8192, is_profile=True)
+    with pytest.raises(RuntimeError, match="VLLM_OVERLAY_PROFILE_RUN_CAP=4096.*unset the cap or lower gpu_memory_utilization"):
+        r.capture_model()
+    assert ("capture+lock",) not in r.events

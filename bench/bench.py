@@ -82,6 +82,7 @@ def child(out: str, args: argparse.Namespace) -> None:
     llm = LLM(model=common.model_dir(args.model), load_format="dummy", skip_tokenizer_init=True,
               max_num_batched_tokens=args.mnbt, max_model_len=32768, max_num_seqs=64, dtype="bfloat16",
               gpu_memory_utilization=args.mem, enable_prefix_caching=False, seed=0,
+              tensor_parallel_size=args.tp,
               kv_cache_dtype=args.kv_cache_dtype, additional_config={"gdn_prefill_backend": "triton"})
     res["boot_s"] = round(time.time() - t0, 1)
     for line in cap.lines:
@@ -170,6 +171,7 @@ def main() -> None:
     ap.add_argument("--mnbt", type=int, default=8192)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--mem", type=float, default=0.9)
+    ap.add_argument("--tp", type=int, default=1, help="tensor parallel size (NCCL_NVLS_ENABLE=0 is set)")
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--cap", type=int, default=0, help="VLLM_OVERLAY_PROFILE_RUN_CAP (0: no cap)")
     ap.add_argument("--logprobs", action="store_true")
@@ -184,12 +186,15 @@ def main() -> None:
         child(args.child, args)
         return
     kv = "" if args.kv_cache_dtype == "auto" else f"-{args.kv_cache_dtype.removeprefix('turboquant_')}"
-    tag = f"bench-{args.model}-{args.config}-mnbt{args.mnbt}{kv}{f'-cap{args.cap}' if args.cap else ''}{args.tag}"
+    tag = (f"bench-{args.model}-{args.config}-mnbt{args.mnbt}{kv}{f'-cap{args.cap}' if args.cap else ''}"
+           f"{f'-tp{args.tp}' if args.tp > 1 else ''}{args.tag}")
     env = {**CONFIGS[args.config], "VLLM_OVERLAY_REPORT_DIR": os.path.join(args.out, f"reports-{tag}")}
     if args.cap:
         env["VLLM_OVERLAY_PROFILE_RUN_CAP"] = str(args.cap)
+    if args.tp > 1:
+        env["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast off on the lent multi-GPU machines
     fwd = ["--model", args.model, "--config", args.config, "--mnbt", str(args.mnbt), "--reps", str(args.reps),
-           "--mem", str(args.mem), "--soak-seconds", str(args.soak_seconds), "--soak-waves", str(args.soak_waves),
+           "--mem", str(args.mem), "--tp", str(args.tp), "--soak-seconds", str(args.soak_seconds), "--soak-waves", str(args.soak_waves),
            "--kv-cache-dtype", args.kv_cache_dtype, "--cap", str(args.cap), "--workloads", args.workloads]
     if args.logprobs:
         fwd.append("--logprobs")
@@ -199,7 +204,8 @@ def main() -> None:
                            "triton", "prefix_caching": False, "max_model_len": 32768, "max_num_seqs": 64,
                            "gpu_memory_utilization": args.mem, "weights": "dummy bf16", "mnbt": args.mnbt,
                            "kv_cache_dtype": args.kv_cache_dtype, "profile_run_cap": args.cap or None,
-                           "overlay": args.config == "overlay", "reps": args.reps}})
+                           "overlay": args.config == "overlay", "reps": args.reps,
+                           "tensor_parallel_size": args.tp}})
     common.write_result(os.path.join(args.out, f"{tag}.json"), r)
 
 

@@ -39,3 +39,14 @@ def test_judge() -> None:
     bad = Outcome(requests_ok=4, requests_failed=1, wall_s=1.0)
     assert judge(10, 20, 1, {15: 3}, bad, WORKER)["exit_code"] == FAILED
     assert sizes_delta({15: 1}, {15: 4, 3: 1}) == {15: 3, 3: 1}
+
+
+def test_tensor_parallel_ranks_are_counted_once() -> None:
+    # with TP=2 both worker ranks run (and record) every forward: only rank 0 counts
+    from vllm_overlay.telemetry import merge_sizes
+
+    def rep(tp_rank: int | None, sizes: dict[str, int]) -> dict:  # type: ignore[type-arg]
+        return {"tp_rank": tp_rank, "telemetry": {"forwards": {"sizes": sizes}}}
+
+    reports = [rep(0, {"7166": 3, "9": 10}), rep(1, {"7166": 3, "9": 10}), rep(None, {"12": 1}), {"role": "driver"}]
+    assert merge_sizes(reports) == {7166: 3, 9: 10, 12: 1}

@@ -63,6 +63,7 @@ class ProcessState:
         self.dummy_forwards = Histogram()
         self.profile_forward_tokens: list[int] = []
         self.worker_rank: int | None = None
+        self.tp_rank: int | None = None
         self.engine_config: dict[str, Any] = {}
         self.buffers: list[dict[str, Any]] = []
         self.dirty = False
@@ -132,6 +133,7 @@ class ProcessState:
                 "forked_from": self.forked_from,
                 "host": socket.gethostname(),
                 "role": self.role(),
+                "tp_rank": self.tp_rank,
                 "argv": sys.argv[:4],
                 "started": self.started,
                 "written": time.time(),

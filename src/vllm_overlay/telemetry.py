@@ -59,9 +59,12 @@ class Histogram:
 
 
 def merge_sizes(reports: list[dict[str, Any]], key: str = "forwards") -> dict[int, int]:
-    """Sum the exact size counts of ``key`` over several process reports."""
+    """Sum the exact size counts of ``key`` over several process reports. Tensor-parallel ranks
+    other than 0 run the same forwards as rank 0 and are not counted again."""
     total: dict[int, int] = {}
     for rep in reports:
+        if rep.get("tp_rank") not in (None, 0):
+            continue
         for size, count in ((rep.get("telemetry") or {}).get(key) or {}).get("sizes", {}).items():
             total[int(size)] = total.get(int(size), 0) + int(count)
     return total

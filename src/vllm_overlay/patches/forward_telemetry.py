@@ -6,7 +6,7 @@ from types import ModuleType
 from typing import Any
 
 from vllm_overlay.mechanisms.wrap import Installed, wrap
-from vllm_overlay.patches._runner import RUNNER, RUNNER_MODULE, dummy_tokens, worker_rank
+from vllm_overlay.patches._runner import RUNNER, RUNNER_MODULE, dummy_tokens, tp_rank, worker_rank
 from vllm_overlay.report import STATE
 from vllm_overlay.spec import PatchSpec, Target
 
@@ -42,6 +42,7 @@ def _note_runner(runner: Any) -> None:
     if STATE.engine_config:
         return
     STATE.worker_rank = worker_rank()
+    STATE.tp_rank = tp_rank()
     try:
         STATE.engine_config = {
             "max_num_batched_tokens": int(runner.scheduler_config.max_num_batched_tokens),

@@ -28,20 +28,19 @@ def dummy_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     return int(kwargs["num_tokens"] if "num_tokens" in kwargs else args[0])
 
 
-def tp_rank() -> int | None:
-    """This worker's tensor-parallel rank (TP ranks run the same forwards: telemetry counts rank 0)."""
+def _rank_in(group_getter: str) -> int | None:
     try:
         from vllm.distributed import parallel_state
 
-        return int(parallel_state.get_tp_group().rank_in_group)
-    except Exception:  # noqa: BLE001 - not initialised
+        return int(getattr(parallel_state, group_getter)().rank_in_group)
+    except Exception:  # noqa: BLE001 - not initialised (e.g. a bare runner in a test)
         return None
 
 
 def worker_rank() -> int | None:
-    try:
-        from vllm.distributed import parallel_state
+    return _rank_in("get_world_group")
 
-        return int(parallel_state.get_world_group().rank_in_group)
-    except Exception:  # noqa: BLE001 - not initialised (e.g. a bare runner in a test)
-        return None
+
+def tp_rank() -> int | None:
+    """This worker's tensor-parallel rank (TP ranks run the same forwards: telemetry counts rank 0)."""
+    return _rank_in("get_tp_group")

@@ -13,7 +13,7 @@ Workloads (each: one warm-up run discarded, then --reps runs; median, min, max):
 Also: boot time and vLLM's own "init engine (profile, create kv cache, warmup model)" time, the KV
 cache size in tokens, the overlay's load+apply time per process (from its reports); with
 --logprobs, the top-20 logprobs of the first generated token for 8 fixed prompts (to compare KV
-cache dtypes or configurations across boots: `compare.py`); with --soak-waves, a band soak through
+cache dtypes or configurations across boots: `make_table.py`); with --soak-waves, a band soak through
 `vllm_overlay.stress` (each wave: prefills co-scheduled with decodes in one forward in
 (4096, 8192]), bounded by --soak-seconds. The soak runs before the timed workloads.
 """
@@ -21,6 +21,8 @@ cache dtypes or configurations across boots: `compare.py`); with --soak-waves, a
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import logging
 import os
 import re
@@ -67,9 +69,13 @@ def run_engine(engine: Any, reqs: list[tuple[str, dict, Any]]) -> tuple[float, d
     return time.perf_counter() - t0, first, out_tokens
 
 
-def child(out: str, args: argparse.Namespace) -> None:
-    import json
+def save(out: str, res: dict[str, Any]) -> None:
+    """Write what is measured so far: partial results survive a time limit or a crash."""
+    with open(out, "w") as f:
+        json.dump(res, f)
 
+
+def child(out: str, args: argparse.Namespace) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
@@ -94,8 +100,7 @@ def child(out: str, args: argparse.Namespace) -> None:
             res["attention_block_size"] = int(m.group(1))
         if "hybrid-turboquant:" in line or "Using TURBOQUANT" in line:
             res.setdefault("turboquant_lines", []).append(line)
-    with open(out, "w") as f:
-        json.dump(res, f)
+    save(out, res)
     engine = llm.llm_engine
     n = 0
 
@@ -111,24 +116,22 @@ def child(out: str, args: argparse.Namespace) -> None:
         lp_params = SamplingParams(max_tokens=1, temperature=0, logprobs=20, detokenize=False)
         lens = [16, 64, 256, 1024, 2400, 2500, 2600, 4000]
         outs = llm.generate(common.prompts(lens, seed=1234), lp_params, use_tqdm=False)
-        res["logprobs"] = [{"prompt_tokens": n, "top": {str(t): lp.logprob for t, lp in o.outputs[0].logprobs[0].items()}}
-                           for n, o in zip(lens, outs)]
-        with open(out, "w") as f:
-            json.dump(res, f)
+        res["logprobs"] = [{"prompt_tokens": k, "top": {str(t): lp.logprob for t, lp in o.outputs[0].logprobs[0].items()}}
+                           for k, o in zip(lens, outs)]
+        save(out, res)
     if args.soak_waves:
         from vllm_overlay.stress import offline
         from vllm_overlay.stress.plan import Limits, make_plan
 
-        plan = make_plan(4096, 8192, Limits(args.mnbt, 32768, 64), args.soak_waves, None, prefill_out_tokens=1)
-        plan = type(plan)(**{**plan.to_json(), "waves": args.soak_waves})
+        plan = dataclasses.replace(make_plan(4096, 8192, Limits(args.mnbt, 32768, 64), args.soak_waves, None,
+                                             prefill_out_tokens=1), waves=args.soak_waves)
         t = time.time()
         outcome = offline.run(llm, plan, args.soak_seconds or None, 1, lambda done, total: None)
         res["soak"] = {"plan": plan.describe(), "wall_s": round(time.time() - t, 1),
                        "requests_ok": outcome.requests_ok, "requests_failed": outcome.requests_failed,
                        "engine_error": outcome.engine_error, "errors": outcome.errors[:5]}
         print("soak", json.dumps(res["soak"]), flush=True)
-        with open(out, "w") as f:
-            json.dump(res, f)
+        save(out, res)
         if outcome.engine_error:
             res["ok"] = False
             common.finish_child(out, res)
@@ -157,8 +160,7 @@ def child(out: str, args: argparse.Namespace) -> None:
             w["ttft_long_prompts_s"] = {"p50": statistics.median(ttft), "p99": max(ttft), "n": len(ttft)}
         res["workloads"][name] = w
         print(name, json.dumps(w), flush=True)
-        with open(out, "w") as f:  # partial results survive a time limit
-            json.dump(res, f)
+        save(out, res)
     res["ok"] = True
     common.finish_child(out, res)
 

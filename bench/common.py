@@ -53,6 +53,9 @@ def environment() -> dict[str, Any]:
         "vllm": vllm.__version__,
         "torch": torch.__version__,
         "python": platform.python_version(),
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "triton_cache_autotuning": os.environ.get("TRITON_CACHE_AUTOTUNING"),
+        "note": os.environ.get("BENCH_NOTE"),
     }
 
 

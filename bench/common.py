@@ -84,6 +84,7 @@ def classify(text: str) -> str | None:
     for needle, name in (("setStorage", "setStorage (Inductor alias regeneration past the buffer)"),
                          ("FakeTensor", "Dynamo fake-tensor shape mismatch in the profiling forward"),
                          ("CapacityError", "vllm-overlay CapacityError (clear error, no crash)"),
+                         ("exceeds the GDN output buffer", "vllm-overlay CapacityError (clear error, no crash)"),
                          ("Workspace is locked", "locked workspace too small (sized by the capped profiling forward)"),
                          ("out of memory", "CUDA out of memory")):
         if needle in text:

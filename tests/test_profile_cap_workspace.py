@@ -24,10 +24,11 @@ class StandInRunner:
     def __init__(self) -> None:
         self.events: list[Any] = []
         self.fail_at: int | None = None
+        self.fail_with: Exception | None = None
 
     def _dummy_run(self, num_tokens: int, **kwargs: Any) -> None:
         if self.fail_at is not None and num_tokens >= self.fail_at:
-            raise MemoryError(f"CUDA out of memory at {num_tokens} tokens")
+            raise self.fail_with or MemoryError(f"CUDA out of memory at {num_tokens} tokens")
         self.events.append(("forward", num_tokens, bool(kwargs.get("is_profile"))))
 
     def capture_model(self) -> int:
@@ -71,3 +72,27 @@ def test_a_full_size_forward_that_does_not_fit_fails_at_boot_naming_the_cap(runn
     with pytest.raises(RuntimeError, match="VLLM_OVERLAY_PROFILE_RUN_CAP=4096.*unset the cap or lower gpu_memory_utilization"):
         r.capture_model()
     assert ("capture+lock",) not in r.events
+
+
+def test_a_buffer_below_the_forward_is_not_blamed_on_memory(runner_cls, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """On the H200 the legacy 4096-row buffer died here with setStorage (redgreen-...-red-runtime.json)."""
+    monkeypatch.setenv("VLLM_OVERLAY_PROFILE_RUN_CAP", "4096")
+    r = runner_cls()
+    r.fail_at = 8192
+    r.fail_with = RuntimeError("setStorage: sizes [8192, 32, 128] ... out of bounds for storage of size 33554432")
+    r._dummy_run(8192, is_profile=True)
+    with pytest.raises(RuntimeError, match="setStorage.*fails here at boot instead of under traffic") as err:
+        r.capture_model()
+    assert "gpu_memory_utilization" not in str(err.value)
+
+
+def test_our_capacity_error_passes_through_unchanged(runner_cls, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from vllm_overlay.errors import CapacityError
+
+    monkeypatch.setenv("VLLM_OVERLAY_PROFILE_RUN_CAP", "4096")
+    r = runner_cls()
+    r.fail_at = 8192
+    r.fail_with = CapacityError("a dummy forward of 8192 tokens exceeds the GDN output buffer of 4096 rows")
+    r._dummy_run(8192, is_profile=True)
+    with pytest.raises(CapacityError, match="exceeds the GDN output buffer"):
+        r.capture_model()

@@ -7,6 +7,7 @@ from types import ModuleType
 from typing import Any
 
 from vllm_overlay import settings
+from vllm_overlay.errors import OverlayError
 from vllm_overlay.mechanisms.wrap import Installed, wrap
 from vllm_overlay.patches._runner import RUNNER, RUNNER_MODULE, dummy_tokens
 from vllm_overlay.report import LOG, STATE
@@ -81,14 +82,23 @@ def _capture_model(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: d
         STATE.event(msg)
         try:
             instance._dummy_run(n, skip_eplb=True, remove_lora=False)
+        except OverlayError:
+            raise  # already one clear error naming its variable (e.g. a buffer below this forward)
         except Exception as exc:
-            cap = settings.value("VLLM_OVERLAY_PROFILE_RUN_CAP")
-            raise RuntimeError(
-                f"vllm-overlay profile-run-cap: a forward of {n} tokens (max_num_batched_tokens) failed "
-                f"after the KV cache was sized with VLLM_OVERLAY_PROFILE_RUN_CAP={cap}: {exc}. The cap "
-                "left activations above it unprofiled; unset the cap or lower gpu_memory_utilization."
-            ) from exc
+            raise RuntimeError(_failure_text(n, exc)) from exc
     return wrapped(*args, **kwargs)
+
+
+def _failure_text(n: int, exc: BaseException) -> str:
+    """Blame the cap only for what the cap can cause: memory the profile did not see."""
+    cap = settings.value("VLLM_OVERLAY_PROFILE_RUN_CAP")
+    head = (f"vllm-overlay profile-run-cap: the forward of {n} tokens (max_num_batched_tokens) that runs "
+            f"before CUDA graph capture failed (VLLM_OVERLAY_PROFILE_RUN_CAP={cap}): {exc}.")
+    if type(exc).__name__ == "OutOfMemoryError" or "out of memory" in str(exc).lower():
+        return (f"{head} The cap left activations above {cap} tokens unprofiled and the KV cache took that "
+                "memory; unset the cap or lower gpu_memory_utilization.")
+    return (f"{head} This is the first forward of that size in this process, so any buffer sized below "
+            f"{n} tokens fails here at boot instead of under traffic; the cap does not size buffers.")
 
 
 def install(module_name: str, module: ModuleType) -> list[Installed]:

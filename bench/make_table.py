@@ -8,6 +8,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -45,14 +46,17 @@ def redgreen_section(path: str) -> list[str]:
 
 def bench_rows(paths: list[str]) -> list[str]:
     out = ["### Throughput (median of repeated runs in one boot, min-max in brackets)", "",
-           "| model | config | mnbt | boot s | init engine s | KV tokens | decode-1 tok/s | decode-16 tok/s | "
-           "prefill-8k s | band-mix tok/s | band-mix TTFT p50/p99 s | load+apply ms (max/process) | file |",
+           "| model | config | mnbt | boot s | init engine s (profiling / compile) | KV tokens | decode-1 tok/s | "
+           "decode-16 tok/s | prefill-8k s | band-mix tok/s | band-mix TTFT p50/p99 s | load+apply ms (max/process) "
+           "| file |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    conditions = []
     for p in paths:
         r = json.load(open(p))
         if not r.get("workloads"):
             what = r.get("failure") if r.get("returncode") == "timeout" else f"FAILED: {r.get('failure')}"
-            out.append(f"| {r.get('model')} | {r.get('config')}, KV {r.get('kv_cache_dtype', 'auto')} | "
+            cap = f", cap {r['profile_run_cap']}" if r.get("profile_run_cap") else ""
+            out.append(f"| {r.get('model')} | {r.get('config')}, KV {r.get('kv_cache_dtype', 'auto')}{cap} | "
                        f"{r.get('mnbt')} | {r.get('boot_s', '-')} | {r.get('init_engine_s', '-')} | "
                        f"{r.get('kv_cache_tokens', '-')} | {what} | | | | | | {os.path.relpath(p, ROOT)} |")
             continue
@@ -68,13 +72,25 @@ def bench_rows(paths: list[str]) -> list[str]:
         kv = r.get("kv_cache_dtype", "auto")
         config = r["config"] + ("" if kv == "auto" else f", KV {kv}") + (
             f", cap {r['profile_run_cap']}" if r.get("profile_run_cap") else "")
+        prof, comp = boot_parts(p, r)
         out.append(
-            f"| {r['model']} | {config} | {r['mnbt']} | {r.get('boot_s')} | {r.get('init_engine_s', '-')} | "
+            f"| {r['model']} | {config} | {r['mnbt']} | {r.get('boot_s')} | {r.get('init_engine_s', '-')} "
+            f"({prof} / {comp}) | "
             f"{r.get('kv_cache_tokens', '-')} | {fmt_stat(get('decode-1', 'tokens_per_s'))} | "
             f"{fmt_stat(get('decode-16', 'tokens_per_s'))} | {fmt_stat(get('prefill-8k', 'seconds'), digits=3)} | "
             f"{fmt_stat(get('band-mix', 'tokens_per_s'))} | "
             f"{ttft_text} | "
             f"{'-' if load is None else f'{load:.0f}'} | {os.path.relpath(p, ROOT)} |")
+        env = r.get("environment", {})
+        if env.get("note") or env.get("triton_cache_autotuning"):
+            conditions.append(f"- {os.path.relpath(p, ROOT)}: GPU {env.get('cuda_visible_devices')}, "
+                              f"{env.get('note') or 'alone'}, TRITON_CACHE_AUTOTUNING="
+                              f"{env.get('triton_cache_autotuning')}, {env.get('date')}")
+    if conditions:
+        out += ["", "Boot times depend on what the machine had cached: the first boot of a lease compiles and "
+                "autotunes; a later boot of the same configuration reuses vLLM's compile cache and (with "
+                "TRITON_CACHE_AUTOTUNING=1) Triton's autotune results for the shapes already tuned. Compare "
+                "boot times only between runs with the same conditions:", "", *conditions]
     soaks = []
     for p in paths:
         r = json.load(open(p))
@@ -87,6 +103,72 @@ def bench_rows(paths: list[str]) -> list[str]:
     if soaks:
         out += ["", "### Band soaks", "", *soaks]
     return out + [""]
+
+
+def boot_parts(path: str, r: dict) -> tuple[str, str]:  # type: ignore[type-arg]
+    """Profiling-forward and torch.compile seconds: from the result, else from its kept log."""
+    prof, comp = r.get("profiling_s"), r.get("compile_s")
+    log = os.path.join(os.path.dirname(path), "logs", os.path.basename(path).replace(".json", ".log"))
+    if (prof is None or comp is None) and os.path.exists(log):
+        text = open(log, errors="replace").read()
+        if prof is None and (m := re.search(r"Initial profiling/warmup run took ([0-9.]+) s", text)):
+            prof = float(m.group(1))
+        if comp is None and (m := re.search(r"torch.compile took ([0-9.]+) s in total", text)):
+            comp = float(m.group(1))
+    return ("-" if prof is None else f"{prof:.1f}"), ("-" if comp is None else f"{comp:.1f}")
+
+
+def overlay_vs_stock(paths: list[str]) -> list[str]:
+    """Issue 5's comparison: same script, same machine kind, one boot per configuration."""
+    runs = [json.load(open(p)) | {"_file": os.path.relpath(p, ROOT)} for p in paths]
+    runs = [r for r in runs if r.get("workloads") and r.get("kv_cache_dtype", "auto") == "auto"
+            and not r.get("profile_run_cap") and r.get("settings", {}).get("tensor_parallel_size", 1) == 1]
+    out = []
+    for ov in [r for r in runs if r["config"] == "overlay"]:
+        st = next((r for r in runs if r["config"] == "stock" and r["model"] == ov["model"]
+                   and r["mnbt"] == ov["mnbt"]), None)
+        if not st:
+            continue
+        out += [f"#### `{ov['model']}`, mnbt {ov['mnbt']}: overlay ({ov['_file']}) vs stock ({st['_file']})", "",
+                "| workload | overlay | stock | overlay / stock | verdict |", "|---|---|---|---|---|"]
+        for name, key, unit, lower_is_better in (("decode-1", "ms_per_token_per_stream", "ms/token", True),
+                                                 ("decode-16", "ms_per_token_per_stream", "ms/token", True),
+                                                 ("prefill-8k", "seconds", "s", True),
+                                                 ("band-mix", "tokens_per_s", "tok/s", False)):
+            a, b = ov["workloads"].get(name, {}).get(key), st["workloads"].get(name, {}).get(key)
+            if not (a and b):
+                continue
+            if lower_is_better:
+                ok = a["median"] <= b["max"]
+                verdict = ("no worse than stock beyond the spread" if ok else
+                           "WORSE than stock beyond the spread (overlay median above stock's max)")
+            else:
+                ok = a["median"] >= b["min"]
+                verdict = ("no worse than stock beyond the spread" if ok else
+                           "WORSE than stock beyond the spread (overlay median below stock's min)")
+            out.append(f"| {name} ({unit}) | {fmt_stat(a, digits=3)} | {fmt_stat(b, digits=3)} | "
+                       f"{a['median'] / b['median']:.3f} | {verdict} |")
+        if ov.get("logprobs") and st.get("logprobs"):
+            out += ["", f"First generated token, top-20 logprobs on the same 8 prompts: "
+                        f"{_logprob_agreement(ov['logprobs'], st['logprobs'], 'stock')}."]
+        low = next((r for r in runs if r["config"] == "stock" and r["model"] == ov["model"]
+                    and r["mnbt"] < ov["mnbt"] and r["workloads"].get("band-mix")), None)
+        if low and ov["workloads"].get("band-mix"):
+            a, b = ov["workloads"]["band-mix"], low["workloads"]["band-mix"]
+            ratio = a["tokens_per_s"]["median"] / b["tokens_per_s"]["median"]
+            out += ["", f"The bug report's trade (band mix: three prompts of 2400-2600 tokens with 8 short ones, 128 "
+                        f"tokens out each): overlay at mnbt {ov['mnbt']} {fmt_stat(a['tokens_per_s'])} tok/s, TTFT "
+                        f"p50/p99 of the long prompts {a['ttft_long_prompts_s']['p50']:.3f}/"
+                        f"{a['ttft_long_prompts_s']['p99']:.3f} s; stock at mnbt {low['mnbt']} ({low['_file']}) "
+                        f"{fmt_stat(b['tokens_per_s'])} tok/s, TTFT {b['ttft_long_prompts_s']['p50']:.3f}/"
+                        f"{b['ttft_long_prompts_s']['p99']:.3f} s: **{ratio:.3f} x** (target >= 1.10 x: "
+                        f"{'met' if ratio >= 1.10 else 'MISSED'})."]
+        loads = [x["load_apply_s"] for x in ov.get("reports", {}).get("processes", []) if x.get("load_apply_s")]
+        if loads:
+            out += ["", f"Plugin load + apply, measured in each process: at most {max(loads) * 1000:.0f} ms "
+                        f"(target < 1 s)."]
+        out.append("")
+    return (["### Overlay vs stock vLLM", "", *out] if out else [])
 
 
 def cross_compare(paths: list[str]) -> list[str]:
@@ -121,7 +203,7 @@ def stress_section(paths: list[str]) -> list[str]:
     return out + [""]
 
 
-def _logprob_agreement(a: list[dict], b: list[dict]) -> str:  # type: ignore[type-arg]
+def _logprob_agreement(a: list[dict], b: list[dict], ref: str = "bf16") -> str:  # type: ignore[type-arg]
     diffs, top1, spread = [], 0, []
     for x, y in zip(a, b):
         shared = set(x["top"]) & set(y["top"])
@@ -129,7 +211,7 @@ def _logprob_agreement(a: list[dict], b: list[dict]) -> str:  # type: ignore[typ
         top1 += max(x["top"], key=x["top"].get) == max(y["top"], key=y["top"].get)
         spread.append(max(y["top"].values()) - min(y["top"].values()))
     return (f"{len(a)} prompts: max abs diff {max(diffs):.2g} over {len(diffs)} shared top-20 entries, "
-            f"top-1 equal {top1}/{len(a)}; spread of the bf16 top-20 {min(spread):.3f}-{max(spread):.3f} nats")
+            f"top-1 equal {top1}/{len(a)}; spread of the {ref} top-20 {min(spread):.3f}-{max(spread):.3f} nats")
 
 
 def turboquant_section(res: str) -> list[str]:
@@ -202,6 +284,7 @@ def main() -> None:
     benches = sorted(glob.glob(os.path.join(res, "bench-*.json")))
     if benches:
         lines += bench_rows(benches)
+        lines += overlay_vs_stock(benches)
     lines += turboquant_section(res)
     notes = os.path.join(HERE, "notes.md")
     if os.path.exists(notes):

@@ -126,16 +126,17 @@ def test_interval_configs_are_understood() -> None:
     assert htq.full_attention_layers(cfg) == [3, 7]
 
 
-def test_attention_page_is_the_packed_turboquant_page(tmp_path) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("preset", ["turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"])
+def test_attention_page_is_the_packed_turboquant_page(preset, tmp_path) -> None:  # type: ignore[no-untyped-def]
     from vllm.config import CacheConfig, ParallelConfig
     from vllm.model_executor.layers.quantization.turboquant.config import TurboQuantConfig
 
     mc = _model_config("qwen36-35b-a3b-geometry", tmp_path)
     heads, head = 2, 256  # Qwen3.6-35B-A3B: 2 KV heads of 256 at TP=1
-    slot = TurboQuantConfig.from_cache_dtype("turboquant_k8v4", head).slot_size_aligned
+    slot = TurboQuantConfig.from_cache_dtype(preset, head).slot_size_aligned
     stock = 2 * heads * head  # what vLLM 0.20.2 plans for a uint8 cache dtype
     cfg = SimpleNamespace(model_config=mc, parallel_config=ParallelConfig(),
-                          cache_config=CacheConfig(cache_dtype="turboquant_k8v4"))
+                          cache_config=CacheConfig(cache_dtype=preset))
     assert htq.attention_page_bytes_per_token(cfg, stock) == heads * slot
     assert heads * slot < stock
     cfg.cache_config.kv_cache_dtype_skip_layers = ["3"]

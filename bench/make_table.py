@@ -34,7 +34,9 @@ def redgreen_section(path: str) -> list[str]:
             r = {**r, "failure": f"not measured: the script's per-config time limit ({r.get('wall_s')} s) ended a "
                                  "cold boot (first Triton autotune); rerun in redgreen-tiny-green/-runtime-red"}
         rows = ", ".join(str(b["rows"]) for b in rep.get("buffers", [])) or "-"
-        out.append(f"| {name} | {'served' if r.get('ok') else ('not measured' if r.get('returncode') == 'timeout' else 'FAILED')} | {r.get('failure') or '-'} | "
+        outcome = ("served" if r.get("ok") else "not measured" if r.get("returncode") == "timeout"
+                   else "FAILED under traffic" if r.get("boot_s") is not None else "FAILED at boot")
+        out.append(f"| {name} | {outcome} | {r.get('failure') or '-'} | "
                    f"{r.get('boot_s', '-')} | {rep.get('band_forwards', '-')} | {rep.get('guard_trips', '-')} | "
                    f"{rows} | {rep.get('profile_forward_tokens') or '-'} |")
     if "overlay_vs_stock" in d:

@@ -28,6 +28,8 @@ def main() -> int:
     ap.add_argument("--shape", choices=("bug", "short"), default="bug")
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--kv-cache-dtype", default=None)
+    ap.add_argument("--model", default=None, help="model directory (default: the embedded tiny hybrid)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (worker processes on the CPU build)")
     # prefix caching puts hybrid models in mamba 'align' mode, which cuts prefills at block
     # boundaries; without it the bug report's step is exactly one forward of 7820 tokens
     args = ap.parse_args()
@@ -44,7 +46,9 @@ def main() -> int:
         kwargs = {}
         if args.kv_cache_dtype:
             kwargs["kv_cache_dtype"] = args.kv_cache_dtype
-        llm = LLM(model=tiny_hybrid_dir(), load_format="dummy", skip_tokenizer_init=True,
+        if args.tp > 1:
+            kwargs["tensor_parallel_size"] = args.tp
+        llm = LLM(model=args.model or tiny_hybrid_dir(), load_format="dummy", skip_tokenizer_init=True,
                   max_num_batched_tokens=args.mnbt, max_model_len=max(8192, args.mnbt),
                   max_num_seqs=32, gpu_memory_utilization=0.3, enforce_eager=not args.compile,
                   seed=0, enable_prefix_caching=False, **kwargs)

@@ -184,7 +184,7 @@ def main() -> None:
     ap.add_argument("--workloads", default="", help="comma-separated subset (default: all)")
     ap.add_argument("--soak-waves", type=int, default=0)
     ap.add_argument("--soak-seconds", type=float, default=0, help="time bound of the soak (0: none)")
-    ap.add_argument("--tag", default="")
+    ap.add_argument("--tag", default="", help="suffix of the result file name, e.g. soak2000")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--timeout", type=int, default=560)
     args = ap.parse_args()
@@ -193,7 +193,7 @@ def main() -> None:
         return
     kv = "" if args.kv_cache_dtype == "auto" else f"-{args.kv_cache_dtype.removeprefix('turboquant_')}"
     tag = (f"bench-{args.model}-{args.config}-mnbt{args.mnbt}{kv}{f'-cap{args.cap}' if args.cap else ''}"
-           f"{f'-tp{args.tp}' if args.tp > 1 else ''}{args.tag}")
+           f"{f'-tp{args.tp}' if args.tp > 1 else ''}{'-' + args.tag.lstrip('-') if args.tag else ''}")
     env = {**CONFIGS[args.config], "VLLM_OVERLAY_REPORT_DIR": os.path.join(args.out, f"reports-{tag}")}
     if args.cap:
         env["VLLM_OVERLAY_PROFILE_RUN_CAP"] = str(args.cap)

@@ -90,6 +90,12 @@ def bench_rows(paths: list[str]) -> list[str]:
             conditions.append(f"- {os.path.relpath(p, ROOT)}: GPU {env.get('cuda_visible_devices')}, "
                               f"{env.get('note') or 'alone'}, TRITON_CACHE_AUTOTUNING="
                               f"{env.get('triton_cache_autotuning')}, {env.get('date')}")
+        tp = r.get("settings", {}).get("tensor_parallel_size", 1)
+        if tp > 1:
+            ranks = [f"{x['role']} ({x['counts'].get('applied', 0)} applied, {x['counts'].get('failed', 0)} failed)"
+                     for x in r.get("reports", {}).get("processes", []) if x["role"].startswith("worker")]
+            conditions.append(f"- {os.path.relpath(p, ROOT)}: tensor parallel {tp}, overlay reports from "
+                              f"{', '.join(ranks) or 'no worker'} (telemetry counts rank 0 only)")
     if conditions:
         out += ["", "Boot times depend on what the machine had cached: the first boot of a lease compiles and "
                 "autotunes; a later boot of the same configuration reuses vLLM's compile cache and (with "

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
+from conftest import clean_env
 from vllm_overlay.models import tiny_hybrid_dir
 from vllm_overlay.telemetry import merge_sizes
 
@@ -20,15 +23,22 @@ pytestmark = pytest.mark.engine
 BUG_STEP = 2500 + 2600 + 2400 + 8 * 40  # the bug report's step, one forward when queued together
 
 
+# two CPU workers need one core each: vLLM's automatic binding wants one NUMA node per worker
+BIND = {"VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0|1")}
+
+
 @pytest.fixture(scope="module")
-def tp2(scenarios, tmp_path_factory):  # type: ignore[no-untyped-def]
+def tp2_model(tmp_path_factory) -> str:  # type: ignore[no-untyped-def]
     model = tmp_path_factory.mktemp("tiny-hybrid-tp2")
     cfg = json.load(open(os.path.join(tiny_hybrid_dir(), "config.json")))
     cfg.update(linear_num_key_heads=2, linear_num_value_heads=4, num_attention_heads=4, num_key_value_heads=2)
     (model / "config.json").write_text(json.dumps(cfg))
-    # two CPU workers need one core each: vLLM's automatic binding wants one NUMA node per worker
-    return scenarios.run("eager-overlay-tp2", ["--shape", "bug", "--tp", "2", "--model", str(model)],
-                         {"VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0|1")})
+    return str(model)
+
+
+@pytest.fixture(scope="module")
+def tp2(scenarios, tp2_model):  # type: ignore[no-untyped-def]
+    return scenarios.run("eager-overlay-tp2", ["--shape", "bug", "--tp", "2", "--model", tp2_model], BIND)
 
 
 def test_both_worker_ranks_apply_and_report(tp2) -> None:  # type: ignore[no-untyped-def]
@@ -49,3 +59,32 @@ def test_both_worker_ranks_apply_and_report(tp2) -> None:  # type: ignore[no-unt
 def test_a_forward_is_counted_once_across_ranks(tp2) -> None:  # type: ignore[no-untyped-def]
     assert tp2["ok"], tp2.get("traceback")
     assert merge_sizes(tp2["reports"]).get(BUG_STEP) == 1
+
+
+def test_band_stress_passes_with_two_ranks(tp2_model, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`vllm-overlay stress --tensor-parallel-size 2`: band forwards counted once, both ranks reporting."""
+    out = tmp_path / "stress"
+    r = subprocess.run([os.path.join(os.path.dirname(sys.executable), "vllm-overlay"), "stress", "--model", tp2_model,
+                        "--tensor-parallel-size", "2", "--max-model-len", "8192", "--max-num-seqs", "32",
+                        "--enforce-eager", "--gpu-memory-utilization", "0.3", "--min-band-forwards", "3",
+                        "--out", str(out)], capture_output=True, text=True, timeout=900, env=clean_env(**BIND))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.load(open(out / "stress.json"))
+    assert res["verdict"] == "PASSED" and res["requests_failed"] == 0 and res["guard_trips"] == 0
+    assert sorted(res["worker_roles"]) == ["worker rank 0", "worker rank 1"]
+    # rank 1 runs the same forwards as rank 0: the verdict counts them once, not twice
+    per_rank = {}
+    for f in os.listdir(out / "reports"):
+        rep = json.load(open(out / "reports" / f))
+        if rep.get("tp_rank") is not None:
+            per_rank[rep["tp_rank"]] = sum(c for s, c in rep["telemetry"]["forwards"]["sizes"].items()
+                                           if 4096 < int(s) <= 8192)
+    assert per_rank[0] == per_rank[1] == res["band_forwards"] >= 3
+
+
+def test_tensor_parallel_size_must_be_positive() -> None:
+    from vllm_overlay.cli.main import main
+
+    with pytest.raises(SystemExit) as err:
+        main(["stress", "--model", "x", "--tensor-parallel-size", "0"])
+    assert err.value.code == 2

@@ -14,12 +14,23 @@ def band(text: str) -> tuple[int, int]:
     return int(parts[0]), int(parts[1])
 
 
+def positive(flag: str):  # type: ignore[no-untyped-def]
+    def parse(text: str) -> int:
+        if not text.strip().isdigit() or int(text) < 1:
+            raise argparse.ArgumentTypeError(f"{flag} {text!r}: expected an integer >= 1")
+        return int(text)
+
+    return parse
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine (offline mode; spelled as `vllm serve` spells them)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=None)
     g.add_argument("--kv-cache-dtype", default=None)
+    g.add_argument("--tensor-parallel-size", type=positive("--tensor-parallel-size"), default=None,
+                   help="worker processes (GPUs); telemetry counts each forward once, at rank 0")
     g.add_argument("--enforce-eager", action="store_true")
     g.add_argument("--gpu-memory-utilization", type=float, default=None)
     g.add_argument("--gdn-prefill-backend", default=None,
@@ -29,7 +40,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_args(args: argparse.Namespace) -> dict[str, object]:
     out: dict[str, object] = {}
     for key in ("max_num_batched_tokens", "max_model_len", "max_num_seqs", "kv_cache_dtype",
-                "gpu_memory_utilization"):
+                "gpu_memory_utilization", "tensor_parallel_size"):
         if getattr(args, key) is not None:
             out[key] = getattr(args, key)
     if args.enforce_eager:

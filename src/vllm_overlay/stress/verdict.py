@@ -72,4 +72,5 @@ def judge(lo: int, hi: int, min_band: int, sizes: dict[int, int], outcome: Outco
         "ttft_p99_s": percentile(outcome.ttft_s, 99),
         "sizes": {str(k): v for k, v in sorted(sizes.items())},
         "worker_reports": [r.get("_path") for r in workers],
+        "worker_roles": [r.get("role") for r in workers],  # tensor parallel: one per rank
     }

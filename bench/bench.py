@@ -96,10 +96,7 @@ def child(out: str, args: argparse.Namespace) -> None:
             res["init_engine_s"] = float(m.group(1))
         if m := re.search(r"KV cache size: ([0-9,]+) tokens", line):
             res["kv_cache_tokens"] = int(m.group(1).replace(",", ""))
-        if m := re.search(r"Initial profiling/warmup run took ([0-9.]+) s", line):
-            res["profiling_s"] = float(m.group(1))
-        if m := re.search(r"torch.compile took ([0-9.]+) s in total", line):
-            res["compile_s"] = float(m.group(1))
+        res.update(common.boot_parts(line))
         if m := re.search(r"Setting attention block size to (\d+) tokens", line):
             res["attention_block_size"] = int(m.group(1))
         if "hybrid-turboquant:" in line or "Using TURBOQUANT" in line:

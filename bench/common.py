@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -22,6 +23,16 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 BUG_SHAPE = [2500, 2600, 2400] + [40] * 8  # one scheduler step of 7820 tokens
 BAND = (4096, 8192)
+
+
+# vLLM log lines that give a boot's parts: result key -> pattern (bench.py reads them live,
+# make_table.py from a kept log when an older result lacks them)
+BOOT_PARTS = {"profiling_s": r"Initial profiling/warmup run took ([0-9.]+) s",
+              "compile_s": r"torch.compile took ([0-9.]+) s in total"}
+
+
+def boot_parts(text: str) -> dict[str, float]:
+    return {key: float(m.group(1)) for key, pat in BOOT_PARTS.items() if (m := re.search(pat, text))}
 
 
 def model_dir(name: str) -> str:

@@ -9,11 +9,12 @@ from __future__ import annotations
 import glob
 import json
 import os
-import re
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+import common  # noqa: E402 - bench/common.py (stdlib only at import)
 
 
 def fmt_stat(s: dict | None, scale: float = 1.0, digits: int = 1) -> str:  # type: ignore[type-arg]
@@ -117,15 +118,11 @@ def bench_rows(paths: list[str]) -> list[str]:
 
 def boot_parts(path: str, r: dict) -> tuple[str, str]:  # type: ignore[type-arg]
     """Profiling-forward and torch.compile seconds: from the result, else from its kept log."""
-    prof, comp = r.get("profiling_s"), r.get("compile_s")
+    parts = {k: r[k] for k in common.BOOT_PARTS if k in r}
     log = os.path.join(os.path.dirname(path), "logs", os.path.basename(path).replace(".json", ".log"))
-    if (prof is None or comp is None) and os.path.exists(log):
-        text = open(log, errors="replace").read()
-        if prof is None and (m := re.search(r"Initial profiling/warmup run took ([0-9.]+) s", text)):
-            prof = float(m.group(1))
-        if comp is None and (m := re.search(r"torch.compile took ([0-9.]+) s in total", text)):
-            comp = float(m.group(1))
-    return ("-" if prof is None else f"{prof:.1f}"), ("-" if comp is None else f"{comp:.1f}")
+    if len(parts) < len(common.BOOT_PARTS) and os.path.exists(log):
+        parts = {**common.boot_parts(open(log, errors="replace").read()), **parts}
+    return tuple("-" if parts.get(k) is None else f"{parts[k]:.1f}" for k in ("profiling_s", "compile_s"))  # type: ignore[return-value]
 
 
 def overlay_vs_stock(paths: list[str]) -> list[str]:
@@ -148,14 +145,10 @@ def overlay_vs_stock(paths: list[str]) -> list[str]:
             a, b = ov["workloads"].get(name, {}).get(key), st["workloads"].get(name, {}).get(key)
             if not (a and b):
                 continue
-            if lower_is_better:
-                ok = a["median"] <= b["max"]
-                verdict = ("no worse than stock beyond the spread" if ok else
-                           "WORSE than stock beyond the spread (overlay median above stock's max)")
-            else:
-                ok = a["median"] >= b["min"]
-                verdict = ("no worse than stock beyond the spread" if ok else
-                           "WORSE than stock beyond the spread (overlay median below stock's min)")
+            ok = a["median"] <= b["max"] if lower_is_better else a["median"] >= b["min"]
+            verdict = ("no worse than stock beyond the spread" if ok else "WORSE than stock beyond the spread "
+                       f"(overlay median {'above' if lower_is_better else 'below'} stock's "
+                       f"{'max' if lower_is_better else 'min'})")
             out.append(f"| {name} ({unit}) | {fmt_stat(a, digits=3)} | {fmt_stat(b, digits=3)} | "
                        f"{a['median'] / b['median']:.3f} | {verdict} |")
         if ov.get("logprobs") and st.get("logprobs"):

@@ -49,21 +49,31 @@ def redgreen_section(path: str) -> list[str]:
     return out + [""]
 
 
-def bench_rows(paths: list[str]) -> list[str]:
+def load_benches(res: str) -> list[dict]:  # type: ignore[type-arg]
+    """Every bench-*.json once, each with its path (`_path`) and its name in the page (`_file`)."""
+    return [json.load(open(p)) | {"_path": p, "_file": os.path.relpath(p, ROOT)}
+            for p in sorted(glob.glob(os.path.join(res, "bench-*.json")))]
+
+
+def config_label(r: dict) -> str:  # type: ignore[type-arg]
+    kv = r.get("kv_cache_dtype", "auto")
+    return (f"{r.get('config')}" + ("" if kv == "auto" else f", KV {kv}")
+            + (f", cap {r['profile_run_cap']}" if r.get("profile_run_cap") else ""))
+
+
+def bench_rows(benches: list[dict]) -> list[str]:  # type: ignore[type-arg]
     out = ["### Throughput (median of repeated runs in one boot, min-max in brackets)", "",
            "| model | config | mnbt | boot s | init engine s (profiling / compile) | KV tokens | decode-1 tok/s | "
            "decode-16 tok/s | prefill-8k s | band-mix tok/s | band-mix TTFT p50/p99 s | load+apply ms (max/process) "
            "| file |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     conditions = []
-    for p in paths:
-        r = json.load(open(p))
+    for r in benches:
         if not r.get("workloads"):
             what = r.get("failure") if r.get("returncode") == "timeout" else f"FAILED: {r.get('failure')}"
-            cap = f", cap {r['profile_run_cap']}" if r.get("profile_run_cap") else ""
-            out.append(f"| {r.get('model')} | {r.get('config')}, KV {r.get('kv_cache_dtype', 'auto')}{cap} | "
+            out.append(f"| {r.get('model')} | {config_label(r)} | "
                        f"{r.get('mnbt')} | {r.get('boot_s', '-')} | {r.get('init_engine_s', '-')} | "
-                       f"{r.get('kv_cache_tokens', '-')} | {what} | | | | | | {os.path.relpath(p, ROOT)} |")
+                       f"{r.get('kv_cache_tokens', '-')} | {what} | | | | | | {r['_file']} |")
             continue
         w = r["workloads"]
 
@@ -74,28 +84,25 @@ def bench_rows(paths: list[str]) -> list[str]:
         ttft_text = f"{ttft['p50']:.3f}/{ttft['p99']:.3f}" if ttft else "-"
         procs = r.get("reports", {}).get("processes", [])
         load = max((x["load_apply_s"] or 0) for x in procs) * 1000 if procs else None
-        kv = r.get("kv_cache_dtype", "auto")
-        config = r["config"] + ("" if kv == "auto" else f", KV {kv}") + (
-            f", cap {r['profile_run_cap']}" if r.get("profile_run_cap") else "")
-        prof, comp = boot_parts(p, r)
+        prof, comp = boot_parts(r)
         out.append(
-            f"| {r['model']} | {config} | {r['mnbt']} | {r.get('boot_s')} | {r.get('init_engine_s', '-')} "
+            f"| {r['model']} | {config_label(r)} | {r['mnbt']} | {r.get('boot_s')} | {r.get('init_engine_s', '-')} "
             f"({prof} / {comp}) | "
             f"{r.get('kv_cache_tokens', '-')} | {fmt_stat(get('decode-1', 'tokens_per_s'))} | "
             f"{fmt_stat(get('decode-16', 'tokens_per_s'))} | {fmt_stat(get('prefill-8k', 'seconds'), digits=3)} | "
             f"{fmt_stat(get('band-mix', 'tokens_per_s'))} | "
             f"{ttft_text} | "
-            f"{'-' if load is None else f'{load:.0f}'} | {os.path.relpath(p, ROOT)} |")
+            f"{'-' if load is None else f'{load:.0f}'} | {r['_file']} |")
         env = r.get("environment", {})
         if env.get("note") or env.get("triton_cache_autotuning"):
-            conditions.append(f"- {os.path.relpath(p, ROOT)}: GPU {env.get('cuda_visible_devices')}, "
+            conditions.append(f"- {r['_file']}: GPU {env.get('cuda_visible_devices')}, "
                               f"{env.get('note') or 'alone'}, TRITON_CACHE_AUTOTUNING="
                               f"{env.get('triton_cache_autotuning')}, {env.get('date')}")
         tp = r.get("settings", {}).get("tensor_parallel_size", 1)
         if tp > 1:
             ranks = [f"{x['role']} ({x['counts'].get('applied', 0)} applied, {x['counts'].get('failed', 0)} failed)"
                      for x in r.get("reports", {}).get("processes", []) if x["role"].startswith("worker")]
-            conditions.append(f"- {os.path.relpath(p, ROOT)}: tensor parallel {tp}, overlay reports from "
+            conditions.append(f"- {r['_file']}: tensor parallel {tp}, overlay reports from "
                               f"{', '.join(ranks) or 'no worker'} (telemetry counts rank 0 only)")
     if conditions:
         out += ["", "Boot times depend on what the machine had cached: the first boot of a lease compiles and "
@@ -103,11 +110,10 @@ def bench_rows(paths: list[str]) -> list[str]:
                 "TRITON_CACHE_AUTOTUNING=1) Triton's autotune results for the shapes already tuned. Compare "
                 "boot times only between runs with the same conditions:", "", *conditions]
     soaks = []
-    for p in paths:
-        r = json.load(open(p))
+    for r in benches:
         if r.get("soak"):
             rep = r.get("reports", {})
-            soaks.append(f"- {os.path.relpath(p, ROOT)}: {r['soak']['plan']}; {rep.get('band_forwards')} forwards "
+            soaks.append(f"- {r['_file']}: {r['soak']['plan']}; {rep.get('band_forwards')} forwards "
                          f"in (4096, 8192] out of {rep.get('forwards')}, max forward {rep.get('max_forward')}, "
                          f"{r['soak']['requests_ok']} requests ok, {r['soak']['requests_failed']} failed, "
                          f"wall {r['soak']['wall_s']} s, guard trips {rep.get('guard_trips')}")
@@ -116,19 +122,19 @@ def bench_rows(paths: list[str]) -> list[str]:
     return out + [""]
 
 
-def boot_parts(path: str, r: dict) -> tuple[str, str]:  # type: ignore[type-arg]
+def boot_parts(r: dict) -> tuple[str, str]:  # type: ignore[type-arg]
     """Profiling-forward and torch.compile seconds: from the result, else from its kept log."""
     parts = {k: r[k] for k in common.BOOT_PARTS if k in r}
+    path = r["_path"]
     log = os.path.join(os.path.dirname(path), "logs", os.path.basename(path).replace(".json", ".log"))
     if len(parts) < len(common.BOOT_PARTS) and os.path.exists(log):
         parts = {**common.boot_parts(open(log, errors="replace").read()), **parts}
     return tuple("-" if parts.get(k) is None else f"{parts[k]:.1f}" for k in ("profiling_s", "compile_s"))  # type: ignore[return-value]
 
 
-def overlay_vs_stock(paths: list[str]) -> list[str]:
+def overlay_vs_stock(benches: list[dict]) -> list[str]:  # type: ignore[type-arg]
     """Issue 5's comparison: same script, same machine kind, one boot per configuration."""
-    runs = [json.load(open(p)) | {"_file": os.path.relpath(p, ROOT)} for p in paths]
-    runs = [r for r in runs if r.get("workloads") and r.get("kv_cache_dtype", "auto") == "auto"
+    runs = [r for r in benches if r.get("workloads") and r.get("kv_cache_dtype", "auto") == "auto"
             and not r.get("profile_run_cap") and r.get("settings", {}).get("tensor_parallel_size", 1) == 1]
     out = []
     for ov in [r for r in runs if r["config"] == "overlay"]:
@@ -217,7 +223,7 @@ def _logprob_agreement(a: list[dict], b: list[dict], ref: str = "bf16") -> str: 
             f"top-1 equal {top1}/{len(a)}; spread of the {ref} top-20 {min(spread):.3f}-{max(spread):.3f} nats")
 
 
-def turboquant_section(res: str) -> list[str]:
+def turboquant_section(res: str, benches: list[dict]) -> list[str]:  # type: ignore[type-arg]
     out = ["### TurboQuant KV cache on the hybrid (patch `hybrid-turboquant`, vLLM 0.20.2)", ""]
     kern = os.path.join(res, "tq-kernel-h200.json")
     if os.path.exists(kern):
@@ -237,8 +243,6 @@ def turboquant_section(res: str) -> list[str]:
             out.append(f"| {r['preset']} | {r['head_dim']} | {r['seq_len']} | {t['rel_err']:.4f} | {t['cosine']:.5f} | "
                        f"{t['min_row_cosine']:.5f} | {f['rel_err']:.4f} |")
         out.append("")
-    benches = [json.load(open(p)) | {"_file": os.path.relpath(p, ROOT)}
-               for p in sorted(glob.glob(os.path.join(res, "bench-*.json")))]
     rows = []
     for tq in benches:
         if not str(tq.get("kv_cache_dtype", "auto")).startswith("turboquant_"):
@@ -284,11 +288,11 @@ def render() -> str:
     stresses = sorted(glob.glob(os.path.join(res, "stress-*.json")))
     if stresses:
         lines += stress_section(stresses)
-    benches = sorted(glob.glob(os.path.join(res, "bench-*.json")))
+    benches = load_benches(res)
     if benches:
         lines += bench_rows(benches)
         lines += overlay_vs_stock(benches)
-    lines += turboquant_section(res)
+    lines += turboquant_section(res, benches)
     notes = os.path.join(HERE, "notes.md")
     if os.path.exists(notes):
         lines += [open(notes).read()]

@@ -201,7 +201,10 @@ def main() -> None:
            "--kv-cache-dtype", args.kv_cache_dtype, "--cap", str(args.cap), "--workloads", args.workloads]
     if args.logprobs:
         fwd.append("--logprobs")
-    r = common.run_child(os.path.abspath(__file__), fwd, env, os.path.join(args.out, f"{tag}.log"), args.timeout)
+    log = os.path.join(args.out, f"{tag}.log")
+    r = common.run_child(os.path.abspath(__file__), fwd, env, log, args.timeout)
+    if os.path.exists(log):  # under tensor parallel the workers log these, out of the child's handler's reach
+        r = {**common.boot_parts(open(log, errors="replace").read()), **r}
     r.update({"script": "bench/bench.py", "environment": common.environment(),
               "settings": {"compilation": "vLLM default (torch.compile + CUDA graphs)", "gdn_prefill_backend":
                            "triton", "prefix_caching": False, "max_model_len": 32768, "max_num_seqs": 64,

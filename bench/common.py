@@ -79,7 +79,7 @@ def reports_summary(report_dir: str) -> dict[str, Any]:
     workers = [r for r in reps if r.get("engine_config")]
     return {
         "processes": [{"pid": r["pid"], "role": r["role"], "counts": r["counts"],
-                       "load_apply_s": r["load_apply_s"]} for r in reps],
+                       "load_apply_s": r["load_apply_s"], "hook_apply_s": r.get("hook_apply_s")} for r in reps],
         "patches": {pid: rec["status"] for r in workers for pid, rec in r["patches"].items()},
         "forwards": sum(sizes.values()),
         "band_forwards": in_band(sizes, *BAND),

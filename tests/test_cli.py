@@ -28,6 +28,14 @@ def test_plan_is_the_ledger() -> None:
     assert "NOT needed" in p.stdout
 
 
+def test_module_form_is_the_same_command() -> None:
+    """`python -m vllm_overlay` for sites without the script on PATH (`pip install --target`)."""
+    p = subprocess.run([sys.executable, "-m", "vllm_overlay", "plan", "--ledger"], capture_output=True,
+                       text=True, env=clean_env(COLUMNS="200"), timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == cli("plan", "--ledger").stdout
+
+
 def test_plan_with_bad_switch_is_one_clear_error() -> None:
     p = cli("plan", VLLM_OVERLAY_ENABLE="no-such-patch")
     assert p.returncode == 2

@@ -1,0 +1,8 @@
+"""`python -m vllm_overlay COMMAND ...`: the `vllm-overlay` command where its script is not on PATH
+(e.g. a `pip install --target` site, as on the lent H200)."""
+
+import sys
+
+from vllm_overlay.cli.main import main
+
+sys.exit(main())

@@ -14,3 +14,37 @@ def test_benchmarks_page_is_generated_from_the_results() -> None:
     r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "make_table.py"), "--check"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr + r.stdout
+
+
+def _make_table():  # type: ignore[no-untyped-def]
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        import make_table
+    finally:
+        sys.path.pop(0)
+    return make_table
+
+
+def _run(name: str, config: str, tp: int, ms: float, procs: list[dict]) -> dict:  # type: ignore[type-arg]
+    stat = {"median": ms, "min": ms, "max": ms, "n": 3}
+    return {"_file": f"bench/results/{name}.json", "config": config, "model": "m", "mnbt": 8192,
+            "settings": {"tensor_parallel_size": tp}, "workloads": {"decode-1": {"ms_per_token_per_stream": stat}},
+            "reports": {"processes": procs}}
+
+
+def test_overlay_is_compared_with_the_stock_run_of_the_same_settings() -> None:
+    """A tensor-parallel overlay run is set against the stock run whose file name differs only in the
+    configuration, never against a one-GPU stock run; plugin time counts the hooks applied on imports."""
+    mt = _make_table()
+    procs = [{"pid": 1, "role": "driver", "counts": {}, "load_apply_s": 0.045, "hook_apply_s": 0.036},
+             {"pid": 2, "role": "worker rank 0", "counts": {}, "load_apply_s": None, "hook_apply_s": 0.008}]
+    runs = [_run("bench-m-overlay-mnbt8192-tp2", "overlay", 2, 4.0, procs),
+            _run("bench-m-stock-mnbt8192", "stock", 1, 9.0, []),
+            _run("bench-m-stock-mnbt8192-tp2", "stock", 2, 4.1, [])]
+    text = "\n".join(mt.overlay_vs_stock(runs))
+    assert "tensor parallel 2: overlay (bench/results/bench-m-overlay-mnbt8192-tp2.json) vs stock " \
+           "(bench/results/bench-m-stock-mnbt8192-tp2.json)" in text
+    assert "| decode-1 (ms/token) | 4.000 (4.000-4.000) | 4.100 (4.100-4.100) | 0.976 |" in text
+    assert "at most 81 ms (register() and the patches applied on later imports)" in text
+    old = [{**p, "hook_apply_s": None} for p in procs]
+    assert mt.apply_ms(old) == (45.0, False)

@@ -95,7 +95,11 @@ def bench_rows(benches: list[dict]) -> list[str]:  # type: ignore[type-arg]
         ttft = w.get("band-mix", {}).get("ttft_long_prompts_s")
         ttft_text = f"{ttft['p50']:.3f}/{ttft['p99']:.3f}" if ttft else "-"
         procs = r.get("reports", {}).get("processes", [])
-        load = f"{apply_ms(procs)[0]:.0f}{'' if apply_ms(procs)[1] else '*'}" if procs else "-"
+        if procs:
+            ms, complete = apply_ms(procs)
+            load = f"{ms:.0f}{'' if complete else '*'}"
+        else:
+            load = "-"
         prof, comp = boot_parts(r)
         out.append(
             f"| {r['model']} | {config_label(r)} | {r['mnbt']} | {r.get('boot_s')} | {r.get('init_engine_s', '-')} "

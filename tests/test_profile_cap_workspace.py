@@ -64,11 +64,19 @@ def test_no_extra_forward_when_the_cap_did_not_fire(runner_cls, monkeypatch) -> 
     assert r.events == [("forward", 8192, True), ("capture+lock",)]
 
 
-def test_a_full_size_forward_that_does_not_fit_fails_at_boot_naming_the_cap(runner_cls, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def _capped_and_failing(runner_cls, monkeypatch, fail_with=None):  # type: ignore[no-untyped-def]
+    """Cap 4096, a profiling forward of 8192 done; the pre-capture forward of 8192 will fail (with
+    ``fail_with`` where given)."""
     monkeypatch.setenv("VLLM_OVERLAY_PROFILE_RUN_CAP", "4096")
     r = runner_cls()
     r.fail_at = 8192
+    r.fail_with = fail_with  # None: the stand-in's out-of-memory error
     r._dummy_run(8192, is_profile=True)
+    return r
+
+
+def test_a_full_size_forward_that_does_not_fit_fails_at_boot_naming_the_cap(runner_cls, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    r = _capped_and_failing(runner_cls, monkeypatch)
     with pytest.raises(RuntimeError, match="VLLM_OVERLAY_PROFILE_RUN_CAP=4096.*unset the cap or lower gpu_memory_utilization"):
         r.capture_model()
     assert ("capture+lock",) not in r.events
@@ -76,11 +84,8 @@ def test_a_full_size_forward_that_does_not_fit_fails_at_boot_naming_the_cap(runn
 
 def test_a_buffer_below_the_forward_is_not_blamed_on_memory(runner_cls, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """On the H200 the legacy 4096-row buffer died here with setStorage (redgreen-...-red-runtime.json)."""
-    monkeypatch.setenv("VLLM_OVERLAY_PROFILE_RUN_CAP", "4096")
-    r = runner_cls()
-    r.fail_at = 8192
-    r.fail_with = RuntimeError("setStorage: sizes [8192, 32, 128] ... out of bounds for storage of size 33554432")
-    r._dummy_run(8192, is_profile=True)
+    r = _capped_and_failing(runner_cls, monkeypatch, RuntimeError(
+        "setStorage: sizes [8192, 32, 128] ... out of bounds for storage of size 33554432"))
     with pytest.raises(RuntimeError, match="setStorage.*fails here at boot instead of under traffic") as err:
         r.capture_model()
     assert "gpu_memory_utilization" not in str(err.value)
@@ -89,10 +94,7 @@ def test_a_buffer_below_the_forward_is_not_blamed_on_memory(runner_cls, monkeypa
 def test_our_capacity_error_passes_through_unchanged(runner_cls, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     from vllm_overlay.errors import CapacityError
 
-    monkeypatch.setenv("VLLM_OVERLAY_PROFILE_RUN_CAP", "4096")
-    r = runner_cls()
-    r.fail_at = 8192
-    r.fail_with = CapacityError("a dummy forward of 8192 tokens exceeds the GDN output buffer of 4096 rows")
-    r._dummy_run(8192, is_profile=True)
+    r = _capped_and_failing(runner_cls, monkeypatch, CapacityError(
+        "a dummy forward of 8192 tokens exceeds the GDN output buffer of 4096 rows"))
     with pytest.raises(CapacityError, match="exceeds the GDN output buffer"):
         r.capture_model()

@@ -96,7 +96,6 @@ def child(out: str, args: argparse.Namespace) -> None:
             res["init_engine_s"] = float(m.group(1))
         if m := re.search(r"KV cache size: ([0-9,]+) tokens", line):
             res["kv_cache_tokens"] = int(m.group(1).replace(",", ""))
-        res.update(common.boot_parts(line))
         if m := re.search(r"Setting attention block size to (\d+) tokens", line):
             res["attention_block_size"] = int(m.group(1))
         if "hybrid-turboquant:" in line or "Using TURBOQUANT" in line:
@@ -203,8 +202,8 @@ def main() -> None:
         fwd.append("--logprobs")
     log = os.path.join(args.out, f"{tag}.log")
     r = common.run_child(os.path.abspath(__file__), fwd, env, log, args.timeout)
-    if os.path.exists(log):  # under tensor parallel the workers log these, out of the child's handler's reach
-        r = {**common.boot_parts(open(log, errors="replace").read()), **r}
+    if os.path.exists(log):  # from the whole log: under tensor parallel the workers log these, not the child
+        r.update(common.boot_parts(open(log, errors="replace").read()))
     r.update({"script": "bench/bench.py", "environment": common.environment(),
               "settings": {"compilation": "vLLM default (torch.compile + CUDA graphs)", "gdn_prefill_backend":
                            "triton", "prefix_caching": False, "max_model_len": 32768, "max_num_seqs": 64,

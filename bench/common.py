@@ -25,8 +25,8 @@ BUG_SHAPE = [2500, 2600, 2400] + [40] * 8  # one scheduler step of 7820 tokens
 BAND = (4096, 8192)
 
 
-# vLLM log lines that give a boot's parts: result key -> pattern (bench.py reads them live,
-# make_table.py from a kept log when an older result lacks them)
+# vLLM log lines that give a boot's parts: result key -> pattern (bench.py reads them from the run's
+# log, make_table.py from a kept log when an older result lacks them)
 BOOT_PARTS = {"profiling_s": r"Initial profiling/warmup run took ([0-9.]+) s",
               "compile_s": r"torch.compile took ([0-9.]+) s in total"}
 

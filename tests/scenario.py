@@ -29,6 +29,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--kv-cache-dtype", default=None)
     ap.add_argument("--model", default=None, help="model directory (default: the embedded tiny hybrid)")
+    ap.add_argument("--ngram-spec", type=int, default=0, metavar="K",
+                    help="speculative decoding with vLLM's ngram drafter and K speculative tokens")
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (worker processes on the CPU build)")
     # prefix caching puts hybrid models in mamba 'align' mode, which cuts prefills at block
     # boundaries; without it the bug report's step is exactly one forward of 7820 tokens
@@ -46,6 +48,9 @@ def main() -> int:
         kwargs = {}
         if args.kv_cache_dtype:
             kwargs["kv_cache_dtype"] = args.kv_cache_dtype
+        if args.ngram_spec:
+            kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.ngram_spec,
+                                            "prompt_lookup_max": 4, "prompt_lookup_min": 2}
         if args.tp > 1:
             kwargs["tensor_parallel_size"] = args.tp
         llm = LLM(model=args.model or tiny_hybrid_dir(), load_format="dummy", skip_tokenizer_init=True,

@@ -68,7 +68,7 @@ class ProcessState:
         self.buffers: list[dict[str, Any]] = []
         self.dirty = False
         self.forked_from: int | None = None
-        self.summary_logged = False
+        self.summary_role: str | None = None  # the role the last summary line named
 
     # ---- state changes -------------------------------------------------------------------
     def set_patch(self, patch_id: str, status: str, **fields: Any) -> None:
@@ -176,14 +176,26 @@ class ProcessState:
             LOG.warning("could not write the report: %s", exc)
             return None
 
-    def log_summary(self) -> None:
+    def set_identity(self, worker_rank: int | None, tp_rank: int | None) -> None:
+        """Record the worker's ranks once known. A summary line written before them named an
+        earlier role: it is followed by one with the final role, so the log's last word is right."""
+        with self.lock:
+            self.worker_rank, self.tp_rank = worker_rank, tp_rank
+            self.dirty = True
+            relog = self.summary_role is not None and self.summary_role != self.role()
+        if relog:
+            self.log_summary(note=f"role now known (was {self.summary_role})")
+
+    def log_summary(self, note: str = "") -> None:
         c = self.counts()
         path = self.report_path()
+        role = self.role()
+        self.summary_role = role
         LOG.info(
             "pid %d role %s: %d applied, %d armed (module not imported yet), %d skipped, "
-            "%d off, %d upstream-merged, %d failed; report %s",
-            self.pid, self.role(), c["applied"], c["armed"], c["skipped"], c["off"],
-            c["upstream-merged"], c["failed"], path,
+            "%d off, %d upstream-merged, %d failed; report %s%s",
+            self.pid, role, c["applied"], c["armed"], c["skipped"], c["off"],
+            c["upstream-merged"], c["failed"], path, f" ({note})" if note else "",
         )
 
 

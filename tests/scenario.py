@@ -36,7 +36,7 @@ def main() -> int:
     # boundaries; without it the bug report's step is exactly one forward of 7820 tokens
     args = ap.parse_args()
     # the engine core runs in this process, so all prompts are queued before its first step
-    # (as in ../shared/evidence): the bug report's step is then exactly one forward
+    # (as in the bug report's reproduction): the bug report's step is then exactly one forward
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 

@@ -1,8 +1,8 @@
 """Tensor parallel 2 on the CPU build: the overlay applies in both worker ranks, sizes each rank's
 GDN buffer for that rank's heads, and telemetry counts a forward once, not once per rank.
 
-Issue 5 asks this of two H200s (not run yet: bench.py --tp 2); here the same code runs in the CPU
-build's two worker processes. The embedded tiny model has one GDN key head, which two ranks cannot
+On two H200s (2026-12-01, vLLM 0.20.2; docs/BENCHMARKS.md) both worker ranks applied the overlay;
+here the same code runs in the CPU build's two worker processes. The embedded tiny model has one GDN key head, which two ranks cannot
 split, so this test writes a copy of its config with every head count doubled (dummy weights)."""
 
 from __future__ import annotations

@@ -189,7 +189,8 @@ def _make_hook(active: Active, module_name: str, strict: bool) -> Any:
                 return
             t0 = time.perf_counter()
             try:
-                installed = active.module.install(module_name, module)
+                with wrapmech.installing(active.spec.id):
+                    installed = active.module.install(module_name, module)
             except Exception as exc:  # noqa: BLE001
                 _fail(active, exc, strict)
                 return

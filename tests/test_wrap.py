@@ -103,3 +103,20 @@ def test_undo_refuses_to_restore_over_someone_elses_change(target: types.ModuleT
     with pytest.raises(RuntimeError, match="changed by someone else"):
         inst.undo()
     assert target.plain is theirs
+
+
+def test_undo_cuts_a_wrapper_out_from_under_another_patch(target: types.ModuleType) -> None:
+    """A patch that fails (or is reverted) after another patch wrapped over it leaves no wrapper
+    behind: it is cut out of the chain, and the outer patch's own undo still restores the original."""
+    original = vars(target.Runner)["run"]
+    a = wrapmech.wrap(MOD, "Runner.run", _adder(10), patch="patch-a")
+    b = wrapmech.wrap(MOD, "Runner.run", _adder(100), patch="patch-b")
+    c = wrapmech.wrap(MOD, "Runner.run", _adder(1000), patch="patch-c")
+    b.undo()  # the middle one
+    assert wrapmech.marks(vars(target.Runner)["run"]) == ["patch-c", "patch-a"]
+    assert target.Runner().run(1) == 1011
+    a.undo()  # now the innermost
+    assert wrapmech.marks(vars(target.Runner)["run"]) == ["patch-c"] and target.Runner().run(1) == 1001
+    c.undo()
+    assert vars(target.Runner)["run"] is original and target.Runner().run(1) == 1
+    assert not any(id(i.replacement) in wrapmech._LIVE for i in (a, b, c))

@@ -163,17 +163,32 @@ def traced_code_digest_parts() -> list[str]:
     return sorted(pid for pid, a in _ACTIVE.items() if a.live and a.spec.changes_traced_code)
 
 
-def _fail(active: Active, exc: BaseException, strict: bool) -> None:
-    spec = active.spec
-    msg = f"{type(exc).__name__}: {exc}"
-    STATE.set_patch(spec.id, "failed", reason=msg, traceback=traceback.format_exc(limit=6))
+def _undo_all(active: Active) -> list[str]:
+    """Undo every change of ``active`` (last first); returns one line per change that could not be
+    undone (those stay in ``active.installed`` so a later revert() tries again)."""
+    errors: list[str] = []
+    kept: list[wrapmech.Installed] = []
     for inst in reversed(active.installed):
         try:
             inst.undo()
-        except Exception:  # noqa: BLE001
-            pass
-    active.installed.clear()
+        except Exception as exc:  # noqa: BLE001 - every other change is still undone
+            errors.append(f"{inst.where}: {type(exc).__name__}: {exc}")
+            kept.append(inst)
+    active.installed[:] = list(reversed(kept))
+    return errors
+
+
+def _fail(active: Active, exc: BaseException, strict: bool) -> None:
+    spec = active.spec
+    msg = f"{type(exc).__name__}: {exc}"
     active.live = False
+    undo_errors = _undo_all(active)
+    STATE.set_patch(spec.id, "failed", reason=msg, traceback=traceback.format_exc(limit=6),
+                    undo_errors=undo_errors)
+    for line in undo_errors:
+        text = f"{spec.id}: could not take its change off after the failure: {line}"
+        STATE.event(text)
+        LOG.error("patch %s", text)
     STATE.write()
     if strict:
         raise StrictModeError(
@@ -259,19 +274,36 @@ def register() -> None:
         STATE.log_summary()
 
 
-def revert() -> None:
-    """Take every applied patch off in this process and forget the registration."""
+def revert() -> list[str]:
+    """Take every applied patch off in this process and forget the registration.
+
+    Removes every change it can; a change it cannot undo (someone else replaced the attribute
+    since) is reported (ERROR line, report event, patch status "revert-failed") and returned, one
+    line each. Whatever happens, the process can register() again afterwards.
+    """
+    problems: list[str] = []
     with _LOCK:
-        for pid in reversed(list(_ACTIVE)):
-            active = _ACTIVE[pid]
-            active.live = False
-            for inst in reversed(active.installed):
-                inst.undo()
-            active.installed.clear()
-            if hasattr(active.module, "on_revert"):
-                active.module.on_revert()
-            STATE.set_patch(pid, "reverted")
-        _ACTIVE.clear()
-        if STATE.registered:
-            STATE.write()
-        STATE.registered = False
+        try:
+            for pid in reversed(list(_ACTIVE)):
+                active = _ACTIVE[pid]
+                active.live = False
+                errors = _undo_all(active)
+                if hasattr(active.module, "on_revert"):
+                    try:
+                        active.module.on_revert()
+                    except Exception as exc:  # noqa: BLE001
+                        errors.append(f"on_revert: {type(exc).__name__}: {exc}")
+                if errors:
+                    STATE.set_patch(pid, "revert-failed", reason="; ".join(errors))
+                    for line in errors:
+                        problems.append(f"{pid}: {line}")
+                        STATE.event(f"revert: {pid}: {line}")
+                        LOG.error("revert: patch %s: could not take off: %s", pid, line)
+                elif STATE.patches.get(pid, {}).get("status") != "failed":
+                    STATE.set_patch(pid, "reverted")
+        finally:
+            _ACTIVE.clear()
+            if STATE.registered:
+                STATE.write()
+            STATE.registered = False
+    return problems

@@ -92,15 +92,34 @@ class Installed:
     cached_copies: tuple[str, ...] = ()
 
     def undo(self) -> None:
+        """Restore ``original``. When another vllm-overlay wrapper was put over ours since (three
+        patches wrap ``_dummy_run``), ours is cut out of the chain below it instead, so a failed or
+        reverted patch never leaves its wrapper behind. Anything else changed it: refuse."""
         current = self.owner.__dict__.get(self.name) if isinstance(self.owner, type) else getattr(
             self.owner, self.name, None
         )
-        if current is not self.replacement:
-            raise RuntimeError(
-                f"{self.where} was changed by someone else after vllm-overlay patched it; "
-                "not restoring over their change"
-            )
-        setattr(self.owner, self.name, self.original)
+        if current is self.replacement:
+            setattr(self.owner, self.name, self.original)
+            _LIVE.pop(id(self.replacement), None)
+            return
+        above = current
+        while mark_of(above) is not None:  # walk down our own wrappers only
+            inner = above.__wrapped__
+            if inner is self.replacement:
+                above.__wrapped__ = self.original
+                outer_rec = _LIVE.get(id(above))
+                if outer_rec is not None and outer_rec.replacement is above:
+                    outer_rec.original = self.original
+                _LIVE.pop(id(self.replacement), None)
+                return
+            above = inner
+        raise RuntimeError(
+            f"{self.where} was changed by someone else after vllm-overlay patched it; "
+            "not restoring over their change"
+        )
+
+
+_LIVE: dict[int, Installed] = {}  # id(replacement) -> its record, while the replacement is in place
 
 
 def resolve(module_name: str, qualname: str) -> tuple[Any, str, Any]:
@@ -158,8 +177,10 @@ def wrap(module_name: str, qualname: str, wrapper: Callable[..., Any], patch: st
     replacement = wrapt.FunctionWrapper(original, wrapper)
     setattr(replacement, MARK, patch)
     setattr(owner, name, replacement)
-    return Installed(owner, name, original, replacement, f"{module_name}:{qualname}",
-                     cached_copies(original, owner, name))
+    rec = Installed(owner, name, original, replacement, f"{module_name}:{qualname}",
+                    cached_copies(original, owner, name))
+    _LIVE[id(replacement)] = rec
+    return rec
 
 
 def rebind(module_name: str, qualname: str, new: Any) -> Installed:

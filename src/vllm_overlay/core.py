@@ -8,6 +8,7 @@ skipped with one WARNING (or stops start-up under VLLM_OVERLAY_STRICT=1).
 from __future__ import annotations
 
 import importlib
+import os
 import threading
 import time
 import traceback
@@ -151,7 +152,15 @@ class Active:
 
 
 _LOCK = threading.RLock()
-_ACTIVE: dict[str, Active] = {}
+_ACTIVE: dict[str, Active] = {}  # kept across fork: the child's memory holds the same patches
+
+
+def _renew_lock_after_fork() -> None:
+    global _LOCK
+    _LOCK = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_renew_lock_after_fork)
 
 
 def active_ids() -> list[str]:

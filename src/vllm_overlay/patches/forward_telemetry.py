@@ -66,10 +66,7 @@ def _execute_model(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: d
 def _dummy_run(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     n = dummy_tokens(args, kwargs)
     _note_runner(instance)
-    STATE.dummy_forwards.record(n)
-    if kwargs.get("is_profile"):
-        STATE.profile_forward_tokens.append(n)
-    STATE.dirty = True
+    STATE.record_dummy(n, bool(kwargs.get("is_profile")))
     return wrapped(*args, **kwargs)
 
 

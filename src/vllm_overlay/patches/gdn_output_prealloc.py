@@ -18,6 +18,7 @@ source, and is counted in the report; it never reaches a slice.
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from types import ModuleType
@@ -122,6 +123,19 @@ _layers: list[weakref.ref[Any]] = []
 _sizes: dict[tuple[str, str, int, int], dict[str, Any]] = {}
 
 
+def _renew_after_fork() -> None:
+    """The child's own lock; the buffers its memory inherited stay (its layers point at them)
+    and are listed in its report as inherited (report.py's handler ran first and reset STATE)."""
+    global _lock, _sizes
+    _lock = threading.Lock()
+    _sizes = {k: {**v, "inherited_from": STATE.forked_from} for k, v in _sizes.items()}
+    with STATE.lock:
+        STATE.buffers.extend(_sizes.values())
+
+
+os.register_at_fork(after_in_child=_renew_after_fork)
+
+
 def capacity() -> int | None:
     """Rows of the smallest live buffer, or None when no GDN layer was built in this process."""
     with _lock:
@@ -158,11 +172,13 @@ def _attach(layer: Any) -> None:
             info = {"key": list(key), "rows": rows, "source": source,
                     "bytes": buf.numel() * buf.element_size(), "layers": 0}
             _sizes[key] = info
-            STATE.buffers.append(info)
+            with STATE.lock:
+                STATE.buffers.append(info)
             LOG.info("GDN output buffer %s: %d rows (%s), %.1f MiB shared by every GDN layer",
                      key, rows, source, info["bytes"] / 2**20)
-        _sizes[key]["layers"] += 1
-        STATE.dirty = True
+        with STATE.lock:
+            _sizes[key]["layers"] += 1
+            STATE.dirty = True
         _layers.append(weakref.ref(layer))
     object.__setattr__(layer, ATTR, buf)
 
@@ -180,7 +196,7 @@ def check(num_tokens: int | None, where: str) -> None:
     cap = capacity()
     if cap is None:
         return
-    STATE.counters["guard_checks"] += 1
+    STATE.count("guard_checks")
     if num_tokens > cap:
         STATE.count("guard_trips")
         info = next(iter(_sizes.values()))

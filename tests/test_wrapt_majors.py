@@ -1,7 +1,7 @@
 """CI runs the wrap tests under both wrapt majors: pyproject allows wrapt>=1.16, and 1.x and 2.x
 differ where it matters (in 1.x FunctionWrapper is an ObjectProxy, in 2.x it is not). This test
 installs the major that is NOT in this environment into a cache directory (pip from the package
-index, once per machine) and runs tests/test_wrap.py and tests/test_core.py again with that
+index, once per machine) and runs tests/test_wrap.py, test_rewrite.py and test_core.py again with that
 wrapt first on the path."""
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def test_wrap_and_core_under_the_other_wrapt_major() -> None:
     assert probe.stdout.strip() == requirement.split("==")[1], probe.stdout
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         os.path.join(HERE, "test_wrap.py"), os.path.join(HERE, "test_core.py")],
+         *(os.path.join(HERE, f) for f in ("test_wrap.py", "test_rewrite.py", "test_core.py"))],
         env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, f"under {requirement}:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"

@@ -71,7 +71,7 @@ def print_reports(console: Console, reports: list[dict[str, Any]]) -> None:
     for r in reports:
         for b in r.get("buffers", []):
             console.print(f"pid {r['pid']}: GDN buffer {b['key']} {b['rows']} rows from {b['source']} "
-                          f"({b['bytes'] / 2**20:.1f} MiB, {b['layers']} layers)")
+                          f"({b['bytes'] / 2**20:.1f} MiB, {b['layers']} layers)" + (" freed" if b.get("freed") else ""))
         for e in r.get("events", [])[-10:]:
             console.print(f"pid {r['pid']}: {e}")
 

@@ -181,3 +181,13 @@ def test_import_has_no_side_effects() -> None:
             "print(sorted(m for m in sys.modules if m.startswith('vllm') and not m.startswith('vllm_overlay')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_install_that_installs_nothing_is_not_applied(overlay, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from vllm_overlay.patches import compile_cache_key
+
+    monkeypatch.setattr(compile_cache_key, "install", lambda name, module: [])
+    core.register()
+    rec = STATE.patches["compile-cache-key"]
+    assert rec["status"] == "failed" and "installed nothing" in rec["reason"]
+    assert "compile-cache-key" not in core.active_ids()

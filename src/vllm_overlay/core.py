@@ -218,6 +218,9 @@ def _make_hook(active: Active, module_name: str, strict: bool) -> Any:
             except Exception as exc:  # noqa: BLE001
                 _fail(active, exc, strict)
                 return
+            if not installed:  # no evidence of anything applied: never report it "applied"
+                _fail(active, RuntimeError(f"install() for module {module_name} installed nothing"), strict)
+                return
             active.installed.extend(installed)
             active.pending.discard(module_name)
             STATE.hook_apply_s += time.perf_counter() - t0

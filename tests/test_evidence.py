@@ -58,3 +58,25 @@ def test_buffer_is_freed_with_its_layers(pool) -> None:  # type: ignore[no-untyp
     del layers, layer
     gc.collect()
     assert gdn.capacity() is None and STATE.buffers[0]["freed"] is True
+
+
+def test_rewritten_allocation_falls_back_to_stock_without_a_buffer() -> None:
+    """The replacement text of the GDN rewrite, run as-is: a layer with the overlay's buffer gets
+    a zeroed slice of it; a layer built without the overlay's __init__ gets stock's torch.zeros."""
+    import textwrap
+
+    import torch
+
+    body = textwrap.indent(gdn._SLICE.format(i=""), "    ")
+    ns: dict = {"torch": torch}
+    exec("def alloc(self, hidden_states, num_tokens):\n" + body + "    return core_attn_out\n", ns)  # noqa: S102
+    assert gdn._SLICE.count("\n") == gdn._ZEROS.count("\n")  # line numbers after the edit unchanged
+    hidden = torch.ones(3, 8, dtype=torch.float64)
+    bare = _Layer()  # no buffer
+    out = ns["alloc"](bare, hidden, 3)
+    assert out.shape == (3, 2, 4) and out.dtype == torch.float64 and not out.any()
+    with_buf = _Layer()
+    buf = torch.ones(5, 2, 4)
+    object.__setattr__(with_buf, gdn.ATTR, buf)
+    out = ns["alloc"](with_buf, hidden, 3)
+    assert out.data_ptr() == buf.data_ptr() and not buf[:3].any() and buf[3:].all()

@@ -46,7 +46,17 @@ _ZEROS = (
     "{i}    device=hidden_states.device,\n"
     "{i})\n"
 )
-_SLICE = f"core_attn_out = self.{ATTR}[:num_tokens]\n{{i}}core_attn_out.zero_()\n"
+# a zeroed slice of the layer's buffer; a layer built without the overlay's __init__ (vLLM's own
+# tests build some) has no buffer and gets stock's allocation. As many lines as the anchor's
+# allocation, so the lines after it keep their numbers in tracebacks.
+_SLICE = (
+    f"core_attn_out = getattr(self, {ATTR!r}, None)\n"
+    "{i}if core_attn_out is None:  # no overlay buffer on this layer: stock's allocation\n"
+    "{i}    core_attn_out = torch.zeros((num_tokens, self.num_v_heads // self.tp_size, self.head_v_dim), "
+    "dtype=hidden_states.dtype, device=hidden_states.device)\n"
+    "{i}else:\n"
+    "{i}    core_attn_out = core_attn_out[:num_tokens].zero_()\n"
+)
 
 
 def _edit(lead: str, indent: str) -> Edit:

@@ -20,7 +20,9 @@ from typing import Any
 from vllm_overlay import settings, versions
 from vllm_overlay.errors import OverlayError, PatchConflictError, StrictModeError, UnknownPatchError
 from vllm_overlay.mechanisms import wrap as wrapmech
-from vllm_overlay.report import LOG, STATE, setup_logging
+from vllm_overlay import logs
+from vllm_overlay.logs import LOG
+from vllm_overlay.report import STATE
 from vllm_overlay.spec import PatchSpec
 
 
@@ -250,7 +252,7 @@ def register() -> None:
         if STATE.registered:
             LOG.debug("register() called again in pid %d: already applied, nothing to do", STATE.pid)
             return
-        setup_logging()
+        logs.setup()
         settings.validate_all()
         strict = settings.value("VLLM_OVERLAY_STRICT")
         inst = versions.installed_vllm()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import atexit
 import json
-import logging
 import multiprocessing
 import os
 import socket
@@ -22,23 +21,11 @@ import time
 from typing import Any
 
 from vllm_overlay import settings
+from vllm_overlay.logs import LOG  # noqa: F401 - patches import LOG from here too
 from vllm_overlay.telemetry import Histogram
 
-LOG = logging.getLogger("vllm_overlay")
 SCHEMA = 1
 FLUSH_EVERY_S = 1.0
-
-
-def setup_logging() -> None:
-    if getattr(LOG, "_overlay_configured", False):
-        return
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [vllm-overlay] %(message)s",
-                                           "%m-%d %H:%M:%S"))
-    LOG.addHandler(handler)
-    LOG.setLevel(logging.INFO)
-    LOG.propagate = False
-    LOG._overlay_configured = True  # type: ignore[attr-defined]
 
 
 class ProcessState:

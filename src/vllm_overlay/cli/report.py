@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import glob
-import json
-import os
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from vllm_overlay.errors import OverlayError
+from vllm_overlay.reports import load  # noqa: F401 - re-exported for callers of cli.report.load
 from vllm_overlay.telemetry import bucket_counts, merge_sizes
 
 
@@ -19,23 +16,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p = sub.add_parser("report", help="pretty-print the JSON reports in DIR")
     p.add_argument("dir", metavar="DIR", help="a VLLM_OVERLAY_REPORT_DIR")
     p.set_defaults(func=run)
-
-
-def load(directory: str, since: float | None = None) -> list[dict[str, Any]]:
-    if not os.path.isdir(directory):
-        raise OverlayError(f"report DIR {directory!r}: not a directory")
-    out = []
-    for path in sorted(glob.glob(os.path.join(directory, "overlay-*.json"))):
-        try:
-            with open(path) as f:
-                rep = json.load(f)
-        except (OSError, ValueError):
-            continue  # being replaced right now; the next read sees it
-        if since is not None and rep.get("written", 0) < since:
-            continue
-        rep["_path"] = path
-        out.append(rep)
-    return out
 
 
 def print_reports(console: Console, reports: list[dict[str, Any]]) -> None:

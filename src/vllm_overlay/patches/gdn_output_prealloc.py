@@ -9,8 +9,9 @@ is decided once at trace time, so it protects nothing.
 
 Here the buffer has the rows the token-budget resolver gives (never fewer than the largest
 schedulable forward), is allocated when the layer is built (before vLLM's memory profiling, so
-it is counted), is shared by all GDN layers with the same (device, dtype, heads, head_dim), and
-is zeroed slice by slice like stock's ``torch.zeros``. The capacity guard runs in the model
+it is counted), is shared by the GDN layers of one engine with the same (device, dtype, heads,
+head_dim), is freed with that engine's layers (a later engine in the same process gets its own,
+sized for its own config), and is zeroed slice by slice like stock's ``torch.zeros``. The capacity guard runs in the model
 runner, in plain Python before the compiled model is entered, for real and dummy forwards alike:
 a forward larger than the buffer raises ``CapacityError`` naming both sizes and the budget's
 source, and is counted in the report; it never reaches a slice.

@@ -24,3 +24,4 @@ def test_second_engine_gets_its_own_buffer_and_the_first_is_freed(scenarios) -> 
     assert (first["rows"], first.get("freed"), second["rows"], second.get("freed")) == (2048, True, 8192, None)
     assert first["engine"] != second["engine"]
     assert second["dtype_source"] == "out_proj.params_dtype"
+    assert w["engine_config"]["max_num_batched_tokens"] == 8192  # the live engine, not the released one

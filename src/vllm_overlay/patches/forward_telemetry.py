@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from types import ModuleType
 from typing import Any
 
@@ -38,9 +39,18 @@ def MODULES(version: str) -> list[str]:  # noqa: N802 - part of the patch interf
     return [RUNNER_MODULE]
 
 
+_noted: list[Any] = [None]  # weak reference to the runner engine_config describes
+
+
 def _note_runner(runner: Any) -> None:
-    if STATE.engine_config:
+    """engine_config describes the live runner (a later engine in the same process replaces it)."""
+    ref = _noted[0]
+    if STATE.engine_config and ref is not None and ref() is runner:
         return
+    try:
+        _noted[0] = weakref.ref(runner)
+    except TypeError:
+        _noted[0] = None
     STATE.worker_rank = worker_rank()
     STATE.tp_rank = tp_rank()
     try:

@@ -142,11 +142,7 @@ def test_drifted_anchor_is_a_loud_skip(overlay, monkeypatch, caplog) -> None:  #
     _drift(monkeypatch)
     before = originals()
     with caplog.at_level(logging.WARNING, logger="vllm_overlay"):
-        logging.getLogger("vllm_overlay").propagate = True
-        try:
-            core.register()
-        finally:
-            logging.getLogger("vllm_overlay").propagate = False
+        core.register()
     rec = STATE.patches["gdn-output-prealloc"]
     assert rec["status"] == "failed" and "pristine source hash mismatch" in rec["reason"]
     assert any("gdn-output-prealloc skipped" in r.getMessage() for r in caplog.records)
@@ -181,3 +177,13 @@ def test_import_has_no_side_effects() -> None:
             "print(sorted(m for m in sys.modules if m.startswith('vllm') and not m.startswith('vllm_overlay')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_install_that_installs_nothing_is_not_applied(overlay, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from vllm_overlay.patches import compile_cache_key
+
+    monkeypatch.setattr(compile_cache_key, "install", lambda name, module: [])
+    core.register()
+    rec = STATE.patches["compile-cache-key"]
+    assert rec["status"] == "failed" and "installed nothing" in rec["reason"]
+    assert "compile-cache-key" not in core.active_ids()

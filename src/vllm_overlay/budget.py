@@ -12,6 +12,7 @@ VLLM_OVERLAY_STRICT=1. Each distinct resolution is logged once.
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from dataclasses import asdict, dataclass
@@ -25,6 +26,17 @@ FALLBACK_TOKENS = 4096  # used only when no vLLM config exists at all (e.g. a ba
 
 _seen: set[tuple[Any, ...]] = set()
 _seen_lock = threading.Lock()
+
+
+def _renew_after_fork() -> None:
+    """A forked child logs and records its own resolutions (its report carries the parent's as
+    inherited), with a lock no parent thread can be holding."""
+    global _seen, _seen_lock
+    _seen = set()
+    _seen_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_renew_after_fork)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ skipped with one WARNING (or stops start-up under VLLM_OVERLAY_STRICT=1).
 from __future__ import annotations
 
 import importlib
+import os
 import threading
 import time
 import traceback
@@ -19,7 +20,9 @@ from typing import Any
 from vllm_overlay import settings, versions
 from vllm_overlay.errors import OverlayError, PatchConflictError, StrictModeError, UnknownPatchError
 from vllm_overlay.mechanisms import wrap as wrapmech
-from vllm_overlay.report import LOG, STATE, setup_logging
+from vllm_overlay import logs
+from vllm_overlay.logs import LOG
+from vllm_overlay.report import STATE
 from vllm_overlay.spec import PatchSpec
 
 
@@ -151,7 +154,15 @@ class Active:
 
 
 _LOCK = threading.RLock()
-_ACTIVE: dict[str, Active] = {}
+_ACTIVE: dict[str, Active] = {}  # kept across fork: the child's memory holds the same patches
+
+
+def _renew_lock_after_fork() -> None:
+    global _LOCK
+    _LOCK = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_renew_lock_after_fork)
 
 
 def active_ids() -> list[str]:
@@ -163,17 +174,32 @@ def traced_code_digest_parts() -> list[str]:
     return sorted(pid for pid, a in _ACTIVE.items() if a.live and a.spec.changes_traced_code)
 
 
-def _fail(active: Active, exc: BaseException, strict: bool) -> None:
-    spec = active.spec
-    msg = f"{type(exc).__name__}: {exc}"
-    STATE.set_patch(spec.id, "failed", reason=msg, traceback=traceback.format_exc(limit=6))
+def _undo_all(active: Active) -> list[str]:
+    """Undo every change of ``active`` (last first); returns one line per change that could not be
+    undone (those stay in ``active.installed`` so a later revert() tries again)."""
+    errors: list[str] = []
+    kept: list[wrapmech.Installed] = []
     for inst in reversed(active.installed):
         try:
             inst.undo()
-        except Exception:  # noqa: BLE001
-            pass
-    active.installed.clear()
+        except Exception as exc:  # noqa: BLE001 - every other change is still undone
+            errors.append(f"{inst.where}: {type(exc).__name__}: {exc}")
+            kept.append(inst)
+    active.installed[:] = list(reversed(kept))
+    return errors
+
+
+def _fail(active: Active, exc: BaseException, strict: bool) -> None:
+    spec = active.spec
+    msg = f"{type(exc).__name__}: {exc}"
     active.live = False
+    undo_errors = _undo_all(active)
+    STATE.set_patch(spec.id, "failed", reason=msg, traceback=traceback.format_exc(limit=6),
+                    undo_errors=undo_errors)
+    for line in undo_errors:
+        text = f"{spec.id}: could not take its change off after the failure: {line}"
+        STATE.event(text)
+        LOG.error("patch %s", text)
     STATE.write()
     if strict:
         raise StrictModeError(
@@ -189,9 +215,13 @@ def _make_hook(active: Active, module_name: str, strict: bool) -> Any:
                 return
             t0 = time.perf_counter()
             try:
-                installed = active.module.install(module_name, module)
+                with wrapmech.installing(active.spec.id):
+                    installed = active.module.install(module_name, module)
             except Exception as exc:  # noqa: BLE001
                 _fail(active, exc, strict)
+                return
+            if not installed:  # no evidence of anything applied: never report it "applied"
+                _fail(active, RuntimeError(f"install() for module {module_name} installed nothing"), strict)
                 return
             active.installed.extend(installed)
             active.pending.discard(module_name)
@@ -222,7 +252,7 @@ def register() -> None:
         if STATE.registered:
             LOG.debug("register() called again in pid %d: already applied, nothing to do", STATE.pid)
             return
-        setup_logging()
+        logs.setup()
         settings.validate_all()
         strict = settings.value("VLLM_OVERLAY_STRICT")
         inst = versions.installed_vllm()
@@ -258,19 +288,36 @@ def register() -> None:
         STATE.log_summary()
 
 
-def revert() -> None:
-    """Take every applied patch off in this process and forget the registration."""
+def revert() -> list[str]:
+    """Take every applied patch off in this process and forget the registration.
+
+    Removes every change it can; a change it cannot undo (someone else replaced the attribute
+    since) is reported (ERROR line, report event, patch status "revert-failed") and returned, one
+    line each. Whatever happens, the process can register() again afterwards.
+    """
+    problems: list[str] = []
     with _LOCK:
-        for pid in reversed(list(_ACTIVE)):
-            active = _ACTIVE[pid]
-            active.live = False
-            for inst in reversed(active.installed):
-                inst.undo()
-            active.installed.clear()
-            if hasattr(active.module, "on_revert"):
-                active.module.on_revert()
-            STATE.set_patch(pid, "reverted")
-        _ACTIVE.clear()
-        if STATE.registered:
-            STATE.write()
-        STATE.registered = False
+        try:
+            for pid in reversed(list(_ACTIVE)):
+                active = _ACTIVE[pid]
+                active.live = False
+                errors = _undo_all(active)
+                if hasattr(active.module, "on_revert"):
+                    try:
+                        active.module.on_revert()
+                    except Exception as exc:  # noqa: BLE001
+                        errors.append(f"on_revert: {type(exc).__name__}: {exc}")
+                if errors:
+                    STATE.set_patch(pid, "revert-failed", reason="; ".join(errors))
+                    for line in errors:
+                        problems.append(f"{pid}: {line}")
+                        STATE.event(f"revert: {pid}: {line}")
+                        LOG.error("revert: patch %s: could not take off: %s", pid, line)
+                elif STATE.patches.get(pid, {}).get("status") != "failed":
+                    STATE.set_patch(pid, "reverted")
+        finally:
+            _ACTIVE.clear()
+            if STATE.registered:
+                STATE.write()
+            STATE.registered = False
+    return problems

@@ -6,7 +6,7 @@ import argparse
 import os
 
 from vllm_overlay import settings, versions
-from vllm_overlay.cli.out import Out
+from vllm_overlay.output import Out
 from vllm_overlay.errors import SettingError
 
 

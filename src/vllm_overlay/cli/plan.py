@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from vllm_overlay import versions
-from vllm_overlay.cli.out import Out
+from vllm_overlay.output import Out
 from vllm_overlay.core import decide
 
 STYLE = {"planned": "ok", "off": "dim", "skipped": "warning", "upstream-merged": "info"}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from types import ModuleType
 from typing import Any
 
@@ -39,9 +40,18 @@ def MODULES(version: str) -> list[str]:  # noqa: N802 - part of the patch interf
     return [RUNNER_MODULE]
 
 
+_noted: list[Any] = [None]  # weak reference to the runner engine_config describes
+
+
 def _note_runner(runner: Any) -> None:
-    if STATE.engine_config:
+    """engine_config describes the live runner (a later engine in the same process replaces it)."""
+    ref = _noted[0]
+    if STATE.engine_config and ref is not None and ref() is runner:
         return
+    try:
+        _noted[0] = weakref.ref(runner)
+    except TypeError:
+        _noted[0] = None
     STATE.set_identity(worker_rank(), tp_rank())
     try:
         STATE.engine_config = {
@@ -71,10 +81,7 @@ def _execute_model(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: d
 def _dummy_run(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     n = dummy_tokens(args, kwargs)
     _note_runner(instance)
-    STATE.dummy_forwards.record(n)
-    if kwargs.get("is_profile"):
-        STATE.profile_forward_tokens.append(n)
-    STATE.dirty = True
+    STATE.record_dummy(n, bool(kwargs.get("is_profile")))
     return wrapped(*args, **kwargs)
 
 

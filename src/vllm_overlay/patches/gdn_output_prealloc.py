@@ -9,8 +9,9 @@ is decided once at trace time, so it protects nothing.
 
 Here the buffer has the rows the token-budget resolver gives (never fewer than the largest
 schedulable forward), is allocated when the layer is built (before vLLM's memory profiling, so
-it is counted), is shared by all GDN layers with the same (device, dtype, heads, head_dim), and
-is zeroed slice by slice like stock's ``torch.zeros``. The capacity guard runs in the model
+it is counted), is shared by the GDN layers of one engine with the same (device, dtype, heads,
+head_dim), is freed with that engine's layers (a later engine in the same process gets its own,
+sized for its own config), and is zeroed slice by slice like stock's ``torch.zeros``. The capacity guard runs in the model
 runner, in plain Python before the compiled model is entered, for real and dummy forwards alike:
 a forward larger than the buffer raises ``CapacityError`` naming both sizes and the budget's
 source, and is counted in the report; it never reaches a slice.
@@ -18,6 +19,7 @@ source, and is counted in the report; it never reaches a slice.
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from types import ModuleType
@@ -45,7 +47,17 @@ _ZEROS = (
     "{i}    device=hidden_states.device,\n"
     "{i})\n"
 )
-_SLICE = f"core_attn_out = self.{ATTR}[:num_tokens]\n{{i}}core_attn_out.zero_()\n"
+# a zeroed slice of the layer's buffer; a layer built without the overlay's __init__ (vLLM's own
+# tests build some) has no buffer and gets stock's allocation. As many lines as the anchor's
+# allocation, so the lines after it keep their numbers in tracebacks.
+_SLICE = (
+    f"core_attn_out = getattr(self, {ATTR!r}, None)\n"
+    "{i}if core_attn_out is None:  # no overlay buffer on this layer: stock's allocation\n"
+    "{i}    core_attn_out = torch.zeros((num_tokens, self.num_v_heads // self.tp_size, self.head_v_dim), "
+    "dtype=hidden_states.dtype, device=hidden_states.device)\n"
+    "{i}else:\n"
+    "{i}    core_attn_out = core_attn_out[:num_tokens].zero_()\n"
+)
 
 
 def _edit(lead: str, indent: str) -> Edit:
@@ -115,17 +127,54 @@ def MODULES(version: str) -> list[str]:  # noqa: N802 - part of the patch interf
 
 
 # ---- the buffer pool -----------------------------------------------------------------------
+#
+# One buffer per (engine, device, dtype, heads, head_dim). The engine is the VllmConfig that is
+# current while the layers are built (the runner's own config): a second engine in the same
+# process (a notebook, an evaluation script, in-process tests) gets a buffer sized for its own
+# max_num_batched_tokens, never the first engine's. Only the layers hold a buffer strongly; the
+# pool holds weak references, so a released engine's buffer is freed with its layers (and the
+# report says so), and its entries are dropped when its config is collected.
+
+Key = tuple[str, str, str, int, int]  # (engine, device, dtype, heads, head_dim)
+ANY: Any = object()  # "every engine" for buffers() / capacity() / check()
 
 _lock = threading.Lock()
-_pool: dict[tuple[str, str, int, int], Any] = {}
+_pool: dict[Key, weakref.ref[Any]] = {}
 _layers: list[weakref.ref[Any]] = []
-_sizes: dict[tuple[str, str, int, int], dict[str, Any]] = {}
+_sizes: dict[Key, dict[str, Any]] = {}
+_engines: dict[str, weakref.finalize] = {}  # engine id -> finalizer of its config
 
 
-def capacity() -> int | None:
-    """Rows of the smallest live buffer, or None when no GDN layer was built in this process."""
+def _renew_after_fork() -> None:
+    """The child's own lock; the buffers its memory inherited stay (its layers point at them)
+    and are listed in its report as inherited (report.py's handler ran first and reset STATE)."""
+    global _lock, _sizes
+    _lock = threading.Lock()
+    _sizes = {k: {**v, "inherited_from": STATE.forked_from} for k, v in _sizes.items()}
+    with STATE.lock:
+        STATE.buffers.extend(_sizes.values())
+
+
+os.register_at_fork(after_in_child=_renew_after_fork)
+
+
+def engine_id(vllm_config: Any | None) -> str:
+    """The engine a buffer belongs to: its VllmConfig object (``none`` without one)."""
+    return "none" if vllm_config is None else f"config-{id(vllm_config):x}"
+
+
+def buffers(vllm_config: Any = ANY) -> list[Any]:
+    """The live buffers (of one engine's config, or of every engine)."""
+    want = None if vllm_config is ANY else engine_id(vllm_config)
     with _lock:
-        return min((int(t.shape[0]) for t in _pool.values()), default=None)
+        live = [(k, ref()) for k, ref in _pool.items()]
+    return [t for k, t in live if t is not None and (want is None or k[0] == want)]
+
+
+def capacity(vllm_config: Any = ANY) -> int | None:
+    """Rows of the smallest live buffer of this engine's config (every engine's with no
+    argument), or None when no GDN layer of it was built in this process."""
+    return min((int(t.shape[0]) for t in buffers(vllm_config)), default=None)
 
 
 def _rows() -> tuple[int, str]:
@@ -140,29 +189,68 @@ def _rows() -> tuple[int, str]:
     return b.value, b.source
 
 
+def _dtype(layer: Any, cfg: Any | None) -> tuple[Any, str]:
+    """The activations' dtype: what the layer's output projection consumes (its params_dtype,
+    which quantized weights leave at the activation dtype), else the model config's."""
+    import torch
+
+    dt = getattr(getattr(layer, "out_proj", None), "params_dtype", None)
+    if isinstance(dt, torch.dtype) and dt.is_floating_point:
+        return dt, "out_proj.params_dtype"
+    if cfg is not None:
+        return cfg.model_config.dtype, "model_config.dtype"
+    return torch.get_default_dtype(), "torch default dtype"
+
+
+def _freed(key: Key) -> None:
+    with _lock:
+        if key in _pool and _pool[key]() is None:
+            del _pool[key]
+        info = _sizes.pop(key, None)
+    if info is not None:
+        with STATE.lock:
+            info["freed"] = True
+            STATE.dirty = True
+        LOG.info("GDN output buffer %s freed (its engine's layers were released)", list(key))
+
+
+def _engine_gone(engine: str) -> None:
+    with _lock:
+        _engines.pop(engine, None)
+        for key in [k for k in _pool if k[0] == engine]:
+            del _pool[key]
+
+
 def _attach(layer: Any) -> None:
     import torch
 
     heads = int(layer.num_v_heads // layer.tp_size)
     dim = int(layer.head_v_dim)
     cfg = budget.current_vllm_config()
-    dtype = cfg.model_config.dtype if cfg is not None else torch.get_default_dtype()
+    dtype, dtype_source = _dtype(layer, cfg)
     device = torch.get_default_device()
-    key = (str(device), str(dtype), heads, dim)
+    engine = engine_id(cfg)
+    key: Key = (engine, str(device), str(dtype), heads, dim)
     with _lock:
-        buf = _pool.get(key)
+        ref = _pool.get(key)
+        buf = ref() if ref is not None else None
         if buf is None:
             rows, source = _rows()
             buf = torch.zeros((rows, heads, dim), dtype=dtype, device=device)
-            _pool[key] = buf
-            info = {"key": list(key), "rows": rows, "source": source,
-                    "bytes": buf.numel() * buf.element_size(), "layers": 0}
+            _pool[key] = weakref.ref(buf)
+            weakref.finalize(buf, _freed, key)
+            if cfg is not None and engine not in _engines:
+                _engines[engine] = weakref.finalize(cfg, _engine_gone, engine)
+            info = {"key": list(key), "engine": engine, "rows": rows, "source": source,
+                    "dtype_source": dtype_source, "bytes": buf.numel() * buf.element_size(), "layers": 0}
             _sizes[key] = info
-            STATE.buffers.append(info)
-            LOG.info("GDN output buffer %s: %d rows (%s), %.1f MiB shared by every GDN layer",
-                     key, rows, source, info["bytes"] / 2**20)
-        _sizes[key]["layers"] += 1
-        STATE.dirty = True
+            with STATE.lock:
+                STATE.buffers.append(info)
+            LOG.info("GDN output buffer %s: %d rows (%s), %.1f MiB shared by every GDN layer of this engine",
+                     list(key), rows, source, info["bytes"] / 2**20)
+        with STATE.lock:
+            _sizes[key]["layers"] += 1
+            STATE.dirty = True
         _layers.append(weakref.ref(layer))
     object.__setattr__(layer, ATTR, buf)
 
@@ -173,34 +261,55 @@ def _init(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, 
     return result
 
 
-def check(num_tokens: int | None, where: str) -> None:
-    """The capacity guard: plain Python, before any compiled code sees the forward."""
-    if num_tokens is None or not settings.value("VLLM_OVERLAY_TEST_GUARD"):
+_unreadable_logged: set[str] = set()
+
+
+def check(num_tokens: int | None, where: str, vllm_config: Any = ANY) -> None:
+    """The capacity guard: plain Python, before any compiled code sees the forward. Checks the
+    buffers of the engine whose config is ``vllm_config`` (the runner's)."""
+    if not settings.value("VLLM_OVERLAY_TEST_GUARD"):
         return
-    cap = capacity()
+    cap = capacity(vllm_config)
     if cap is None:
         return
-    STATE.counters["guard_checks"] += 1
+    if num_tokens is None:  # the token count could not be read from the call: not checked
+        STATE.count("guard_unreadable")
+        if where not in _unreadable_logged:
+            _unreadable_logged.add(where)
+            msg = (f"gdn-output-prealloc: capacity guard could not read the token count of a {where} "
+                   "(no input_ids / inputs_embeds / positions); that forward was NOT checked "
+                   "(counter guard_unreadable)")
+            LOG.warning(msg)
+            STATE.event(msg)
+        return
+    STATE.count("guard_checks")
     if num_tokens > cap:
         STATE.count("guard_trips")
-        info = next(iter(_sizes.values()))
+        engine = None if vllm_config is ANY else engine_id(vllm_config)
+        with _lock:
+            info = next((v for k, v in _sizes.items() if engine is None or k[0] == engine), {})
         STATE.event(f"guard trip: {where} of {num_tokens} tokens > buffer {cap} rows")
         STATE.write()
         raise CapacityError(
             f"vllm-overlay: a {where} of {num_tokens} tokens exceeds the GDN output buffer of "
-            f"{cap} rows (size from {info['source']}); refusing to run it rather than slice past "
-            f"the buffer. Set VLLM_OVERLAY_PREALLOC_TOKEN_BUDGET >= {num_tokens} or unset "
+            f"{cap} rows (size from {info.get('source', 'unknown')}); refusing to run it rather than "
+            f"slice past the buffer. Set VLLM_OVERLAY_PREALLOC_TOKEN_BUDGET >= {num_tokens} or unset "
             "VLLM_OVERLAY_TEST_BUFFER_ROWS."
         )
 
 
+def _engine_of(runner: Any) -> Any:
+    return getattr(runner, "vllm_config", ANY)
+
+
 def _model_forward(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    check(forward_tokens(args, kwargs), "forward")
+    check(forward_tokens(args, kwargs), "forward", _engine_of(instance))
     return wrapped(*args, **kwargs)
 
 
 def _dummy_run(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    check(dummy_tokens(args, kwargs), "profile forward" if kwargs.get("is_profile") else "dummy forward")
+    check(dummy_tokens(args, kwargs), "profile forward" if kwargs.get("is_profile") else "dummy forward",
+          _engine_of(instance))
     return wrapped(*args, **kwargs)
 
 
@@ -237,3 +346,7 @@ def on_revert() -> None:
         _layers.clear()
         _pool.clear()
         _sizes.clear()
+        for fin in _engines.values():
+            fin.detach()
+        _engines.clear()
+        _unreadable_logged.clear()

@@ -22,7 +22,8 @@ SPEC = PatchSpec(
         "decode latency smooth under long prompts. It does NOT bound a forward's total: several "
         "co-scheduled requests still push one forward up to max_num_batched_tokens, which is "
         "exactly the band where the GDN crash lived. If the user already set a smaller "
-        "threshold, theirs is kept."
+        "threshold, theirs is kept. It acts only where vLLM itself chunks prefills (chunked "
+        "prefill on, a decoder-only model, not pooling) and says so when it stands aside."
     ),
     upstream="https://github.com/vllm-project/vllm/blob/v0.20.2/vllm/v1/core/sched/scheduler.py",
     targets=(Target(MODULE, QUALNAME),),
@@ -39,12 +40,30 @@ def MODULES(version: str) -> list[str]:  # noqa: N802 - part of the patch interf
     return [MODULE]
 
 
+def stands_aside(scheduler: Any) -> str | None:
+    """Why vLLM itself would not chunk prefills in this scheduler (so the clamp must not), or None."""
+    sched = scheduler.scheduler_config
+    model = getattr(getattr(scheduler, "vllm_config", None), "model_config", None)
+    if not getattr(sched, "enable_chunked_prefill", True):
+        return "chunked prefill is off"
+    if getattr(scheduler, "is_encoder_decoder", False) or getattr(model, "is_encoder_decoder", False):
+        return "an encoder-decoder model (vLLM does not chunk its prefills)"
+    if getattr(model, "runner_type", None) == "pooling" or getattr(sched, "runner_type", None) == "pooling":
+        return "a pooling model"
+    return None
+
+
 def _init(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     result = wrapped(*args, **kwargs)
     clamp = int(settings.value("VLLM_OVERLAY_PREFILL_CHUNK_CLAMP"))
     sched = instance.scheduler_config
     current = int(getattr(sched, "long_prefill_token_threshold", 0) or 0)
-    if clamp > 0 and (current == 0 or clamp < current):
+    why = stands_aside(instance)
+    if why:
+        msg = (f"prefill-chunk-clamp: stands aside: {why}; long_prefill_token_threshold left at "
+               f"{current} (counter clamp_stood_aside)")
+        STATE.count("clamp_stood_aside")
+    elif clamp > 0 and (current == 0 or clamp < current):
         sched.long_prefill_token_threshold = clamp
         msg = (f"prefill-chunk-clamp: long_prefill_token_threshold {current} -> {clamp} "
                f"(max_num_batched_tokens {sched.max_num_batched_tokens} still bounds the forward)")

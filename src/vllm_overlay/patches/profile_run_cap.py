@@ -62,12 +62,44 @@ def _dummy_run(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[
     )
     LOG.warning(msg)
     STATE.event(msg)
-    _capped[instance] = n
+    never = never_captures(instance)
+    if never:
+        _no_capture(n, cap, never)
+    else:
+        _capped[instance] = n
     if "num_tokens" in kwargs:
         kwargs = {**kwargs, "num_tokens": cap}
     else:
         args = (cap, *args[1:])
     return wrapped(*args, **kwargs)
+
+
+def never_captures(runner: Any) -> str | None:
+    """Why vLLM will never call ``capture_model`` on this runner (so the full-size forward that
+    runs before capture never runs), or None."""
+    if any(k.__name__ == "CPUModelRunner" for k in type(runner).__mro__):
+        return "the CPU worker never captures CUDA graphs"
+    model_config = getattr(runner, "model_config", None)
+    if model_config is not None and getattr(model_config, "enforce_eager", False):
+        return "enforce_eager: vLLM never captures CUDA graphs"
+    return None
+
+
+_no_capture_warned = False
+
+
+def _no_capture(n: int, cap: int, why: str) -> None:
+    """The promised full-size forward cannot run: say so loudly once, count it every time."""
+    global _no_capture_warned
+    STATE.count("precapture_forward_skipped")
+    if _no_capture_warned:
+        return
+    _no_capture_warned = True
+    msg = (f"profile-run-cap: {why}, so the un-profiled forward of {n} tokens that sizes the "
+           f"workspaces before capture will NOT run; the first forward above the cap ({cap}) sizes "
+           "them under traffic instead (counter precapture_forward_skipped)")
+    LOG.warning(msg)
+    STATE.event(msg)
 
 
 def _capture_model(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -11,8 +11,8 @@ from typing import Any
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from vllm_overlay import settings
-from vllm_overlay.cli.out import Out
-from vllm_overlay.cli.report import load
+from vllm_overlay.output import Out
+from vllm_overlay.reports import load
 from vllm_overlay.stress import plan as planmod
 from vllm_overlay.stress.plot import forward_sizes_png
 from vllm_overlay.stress.verdict import BAD_USAGE, SLOW_FACTOR, Outcome, judge, sizes_delta

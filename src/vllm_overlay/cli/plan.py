@@ -8,9 +8,9 @@ from rich.console import Console
 from rich.table import Table
 
 from vllm_overlay import versions
-from vllm_overlay.core import decide
+from vllm_overlay.core import decide, unknown_release
 
-STYLE = {"planned": "green", "off": "dim", "skipped": "yellow", "upstream-merged": "cyan"}
+STYLE = {"planned": "green", "off": "dim", "skipped": "yellow", "upstream-merged": "cyan", "not-needed": "cyan"}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -24,14 +24,15 @@ def run(args: argparse.Namespace) -> int:
     inst = versions.installed_vllm()
     where = f"{inst.distribution} {inst.version} ({inst.platform})" if inst else "vLLM not installed"
     table = Table(title=f"vllm-overlay plan on {where}")
-    for col in ("patch", "decision", "reason", "mechanism", "vLLM"):
+    if inst is not None and inst.version not in versions.RELEASES:
+        console.print(f"[bold yellow]every patch skipped:[/] {unknown_release(inst.version)}", soft_wrap=True)
+    for col in ("patch", "decision", "reason", "mechanism", "applies on"):
         table.add_column(col, overflow="fold")
     table.add_column("targets", no_wrap=True)
     decisions = decide(vllm=inst)
     for d in decisions:
         s = d.spec
-        targets = "\n".join(t.qualname for t in s.targets
-                            if not t.vllm or (inst and versions.matches(inst.version, t.vllm)))
+        targets = "\n".join(t.qualname for t in s.targets if inst is None or t.applies_to(inst.version))
         status = "would apply" if d.status == "planned" else d.status
         table.add_row(s.id, f"[{STYLE[d.status]}]{status}[/]", d.reason, s.mechanism, s.vllm, targets)
     console.print(table)
@@ -47,7 +48,11 @@ def run(args: argparse.Namespace) -> int:
                           f"[bold]conflicts[/]: {', '.join(s.conflicts) or '-'}")
             console.print(f"[bold]settings[/]: {', '.join(s.settings) or '-'}")
             for t in s.targets:
-                console.print(f"[bold]target[/]: {t}" + (f" (vLLM {t.vllm})" if t.vllm else ""))
+                how = f"wrapped by {t.wrapper}" if t.wrapper else "rewritten"
+                console.print(f"[bold]target[/]: {t} ({how}" + (f"; vLLM {t.vllm})" if t.vllm else ")"),
+                              soft_wrap=True)
+            for row in s.support:
+                console.print(f"[bold]vLLM {row.vllm}[/]: {row.status}: {row.reason}")
             console.print(f"[bold]retire when[/]: {s.retire_when}")
             for rw in s.rewrites:
                 console.print(f"[bold]rewrite[/]: {rw.target} for vLLM {rw.version}, "

@@ -83,11 +83,17 @@ def _check_rewrite(version: str, spec: PatchSpec, rw: Rewrite, read: Reader) -> 
         return Check(version, spec.id, "rewrite", str(rw.target), False,
                      f"defined in vllm/{found.path} as {found.qualname}, but the rewrite reads vllm/{rw.path}")
     try:
-        rewrite.check_text(rw, read(rw.path))
+        new = rewrite.check_text(rw, read(rw.path))
     except AnchorError as exc:
         return Check(version, spec.id, "rewrite", str(rw.target), False, str(exc))
+    left = [g for g in rw.gone if g in new]
+    if left:
+        return Check(version, spec.id, "rewrite", str(rw.target), False,
+                     f"hash and anchors match, but the rewritten function still contains {left[0]!r} "
+                     "(the release added another occurrence: a new edit is needed)")
     return Check(version, spec.id, "rewrite", str(rw.target), True,
-                 f"sha256 {rw.sha256[:12]} and {len(rw.edits)} anchor(s), each once")
+                 f"sha256 {rw.sha256[:12]} and {len(rw.edits)} anchor(s), each once"
+                 + (f"; no {rw.gone[0]!r} left" if rw.gone else ""))
 
 
 def data_checks(spec: PatchSpec, version: str) -> list[Check]:
@@ -215,9 +221,13 @@ def _propose_rewrite(spec: PatchSpec, rw: Rewrite, version: str, read: Reader) -
         trial = replace(rw, version=version, sha256=sha, path=found.path,
                         target=replace(rw.target, module=found.module, vllm=f"=={version}"))
         try:
-            rewrite.check_text(trial, read(found.path))
+            new = rewrite.check_text(trial, read(found.path))
         except AnchorError as exc:
             return f"{name} in vllm/{found.path}: sha256 {sha}: DRIFT with the edits of {rw.version}: {exc}"
+        left = [g for g in rw.gone if g in new]
+        if left:
+            return (f"{name} in vllm/{found.path}: sha256 {sha}: DRIFT with the edits of {rw.version}: the "
+                    f"rewritten function still contains {left[0]!r}: a new edit is needed")
         same = " (unchanged)" if sha == rw.sha256 else ""
         return (f"{name} in vllm/{found.path}: add {version!r}: {sha!r},{same} to the per_release(...) "
                 f"with the edits of {rw.version} ({len(rw.edits)} anchor(s), each once)")

@@ -57,13 +57,15 @@ class Rewrite:
     path: str
     sha256: str
     edits: tuple[Edit, ...]
+    gone: tuple[str, ...] = ()  # text the rewritten function must no longer contain (the sweep checks)
 
 
-def per_release(target: Target, path: str, edits: tuple[Edit, ...], hashes: dict[str, str]) -> tuple[Rewrite, ...]:
+def per_release(target: Target, path: str, edits: tuple[Edit, ...], hashes: dict[str, str],
+                gone: tuple[str, ...] = ()) -> tuple[Rewrite, ...]:
     """One Rewrite per release of ``hashes`` (release -> pristine sha256), all with the same edits.
     `vllm-overlay verify --wheel X --propose` prints the entry to add for a new release."""
     return tuple(
-        Rewrite(Target(target.module, target.qualname, f"=={v}"), v, path, sha, edits)
+        Rewrite(Target(target.module, target.qualname, f"=={v}"), v, path, sha, edits, gone)
         for v, sha in hashes.items()
     )
 

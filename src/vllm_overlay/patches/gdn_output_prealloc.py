@@ -18,6 +18,7 @@ source, and is counted in the report; it never reaches a slice.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import weakref
 from typing import Any
@@ -61,7 +62,7 @@ _FUSED = Edit(  # 0.32.0 and later: the allocation sits one level deeper, inside
     anchor="    if use_fused_gdn_spec_decode:\n        " + _ZEROS.format(i="        "),
     replacement="    if use_fused_gdn_spec_decode:\n        " + _SLICE.format(i="        "),
 )
-_FUSED_031 = Edit(  # 0.31.0 named the fused branch use_fused_gdn_decode
+_FUSED_DECODE = Edit(  # 0.28.0 to 0.31.0 name the fused branch use_fused_gdn_decode
     anchor="    if use_fused_gdn_decode:\n        " + _ZEROS.format(i="        "),
     replacement="    if use_fused_gdn_decode:\n        " + _SLICE.format(i="        "),
 )
@@ -84,11 +85,11 @@ REWRITES = (
         "0.26.0": "042c8e612a6819c7feb18c0ab845a9df1a15f56f63e69892845d53ac8369d66d",
         "0.27.0": "042c8e612a6819c7feb18c0ab845a9df1a15f56f63e69892845d53ac8369d66d",
         "0.27.1": "042c8e612a6819c7feb18c0ab845a9df1a15f56f63e69892845d53ac8369d66d",
+    }),
+    *per_release(Target(MOD_QWEN, f"{CLS_QWEN}.forward_cuda"), PATH_QWEN, (_FUSED_DECODE, _MAIN), {
         "0.28.0": "0f0ab2a8a4eec49a07240bf780b837deac4a419e1a6720fc0ef3fad97e87020d",
         "0.29.0": "0f0ab2a8a4eec49a07240bf780b837deac4a419e1a6720fc0ef3fad97e87020d",
         "0.30.0": "0f0ab2a8a4eec49a07240bf780b837deac4a419e1a6720fc0ef3fad97e87020d",
-    }),
-    *per_release(Target(MOD_QWEN, f"{CLS_QWEN}.forward_cuda"), PATH_QWEN, (_FUSED_031, _MAIN), {
         "0.31.0": "8f9660027310781fa65eae9cb284ae9685c8ef745c148f22cce044832edf6bb2",
     }),
     *per_release(Target(MOD_QWEN, f"{CLS_QWEN}.forward_cuda"), PATH_QWEN, (_FUSED, _MAIN), {
@@ -113,6 +114,8 @@ REWRITES = (
         "0.33.0": "087e254665af31d99d48002f126119ba1b420b469da281e6259da003efe6dabb",
     }),
 )
+GONE = ("core_attn_out = torch.zeros(",)  # no per-forward allocation may remain after the rewrite
+REWRITES = tuple(dataclasses.replace(rw, gone=GONE) for rw in REWRITES)
 
 SPEC = PatchSpec(
     id="gdn-output-prealloc",

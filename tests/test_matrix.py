@@ -137,3 +137,13 @@ def test_readme_tables_are_generated() -> None:
     r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "readme_tables.py"), "--check"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr + r.stdout
+
+
+def test_a_patch_module_with_its_own_install_is_refused(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """What is installed comes from SPEC alone: a module-level install() would be ignored, so it is an error."""
+    from vllm_overlay.errors import OverlayError
+    from vllm_overlay.patches import forward_telemetry
+
+    monkeypatch.setattr(forward_telemetry, "install", lambda *a: [], raising=False)
+    with pytest.raises(OverlayError, match="forward_telemetry defines install"):
+        core.specs()

@@ -43,7 +43,17 @@ class Decision:
 def registry() -> tuple[tuple[PatchSpec, ModuleType], ...]:
     from vllm_overlay.registry import PATCH_MODULES
 
-    return tuple((importlib.import_module(m).SPEC, importlib.import_module(m)) for m in PATCH_MODULES)
+    out = []
+    for name in PATCH_MODULES:
+        mod = importlib.import_module(name)
+        stale = [f for f in ("install", "MODULES") if hasattr(mod, f)]
+        if stale:  # what is installed comes from SPEC alone; a module's own would be silently ignored
+            raise OverlayError(
+                f"{name} defines {', '.join(stale)}: patches declare what they wrap and rewrite in SPEC "
+                "(Target(..., wrapper='_fn'), rewrites); mechanisms/install.py installs it"
+            )
+        out.append((mod.SPEC, mod))
+    return tuple(out)
 
 
 def specs() -> tuple[PatchSpec, ...]:

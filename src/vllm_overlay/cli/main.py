@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from vllm_overlay.errors import OverlayError
@@ -29,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     except OverlayError as exc:
         print(f"vllm-overlay: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `vllm-overlay matrix | head`: the reader left; not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

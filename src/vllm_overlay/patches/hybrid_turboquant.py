@@ -15,7 +15,7 @@ source hash):
 - the refusal is replaced by ``boundary_skip_layers``: on a hybrid, TurboQuant goes on the
   full-attention layers (the GDN layers keep their state caches unchanged), and boundary protection
   counts *full-attention* layers: ``VLLM_OVERLAY_TQ_HYBRID_BOUNDARY`` of the first and last ones
-  keep the model dtype (default 0: none, the choice vLLM 0.32 made upstream, since a hybrid has few
+  keep the model dtype (default 0: none, the choice vLLM made upstream from 0.22.0, since a hybrid has few
   full-attention layers and n=2 on each side would take 40 % of them from Qwen3.6-35B-A3B's ten);
 - the planner's per-token attention page is the TurboQuant packed page, or, when some attention
   layers keep the model dtype (boundary or ``--kv-cache-dtype-skip-layers``), the least common

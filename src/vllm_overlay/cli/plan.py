@@ -35,7 +35,16 @@ def run(args: argparse.Namespace) -> int:
         targets = "\n".join(t.qualname for t in s.targets if inst is None or t.applies_to(inst.version))
         status = "would apply" if d.status == "planned" else d.status
         table.add_row(s.id, f"[{STYLE[d.status]}]{status}[/]", d.reason, s.mechanism, s.vllm, targets)
-    console.print(table)
+    if console.is_terminal:
+        console.print(table)
+    else:  # pipes and logs: one whole line per patch, no identifier broken
+        print(f"vllm-overlay plan on {where}")
+        for d in decisions:
+            s = d.spec
+            shown = [t.qualname for t in s.targets if inst is None or t.applies_to(inst.version)]
+            print(f"{s.id}: {'would apply' if d.status == 'planned' else d.status}: {d.reason} "
+                  f"[{s.mechanism}; applies on {s.vllm}; targets {', '.join(shown) or '-'}]")
+    console = Console(soft_wrap=True)  # the ledger's lines are not wrapped either
     if args.ledger:
         for d in decisions:
             s = d.spec

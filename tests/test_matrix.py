@@ -147,3 +147,11 @@ def test_a_patch_module_with_its_own_install_is_refused(monkeypatch) -> None:  #
     monkeypatch.setattr(forward_telemetry, "install", lambda *a: [], raising=False)
     with pytest.raises(OverlayError, match="forward_telemetry defines install"):
         core.specs()
+
+
+def test_specs_name_only_declared_settings() -> None:
+    from vllm_overlay import settings
+
+    for spec in matrix.specs():
+        for name in (*spec.settings, *([spec.enabled_by] if spec.enabled_by else [])):
+            assert name in settings.BY_NAME, (spec.id, name)

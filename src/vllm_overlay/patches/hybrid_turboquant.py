@@ -76,6 +76,7 @@ _PAGE_FIX = Edit(
 )
 
 REFUSAL_TEXT = "TurboQuant KV cache is not supported for hybrid"
+TQ_CONFIG = "model_executor/layers/quantization/turboquant/config.py"
 
 # Pristine sha256 of each rewritten function per release (`vllm-overlay verify --propose` prints them)
 REWRITES = (
@@ -106,12 +107,16 @@ SPEC = PatchSpec(
         Support("<0.22.0", "applies",
                 "create_engine_config refuses TurboQuant on hybrids and the hybrid page planner sizes "
                 "a TurboQuant page as 2 x head_size bytes per head and token",
-                (Proof("engine/arg_utils.py", REFUSAL_TEXT),)),
+                (Proof("engine/arg_utils.py", REFUSAL_TEXT),
+                 # what the helpers below call in vLLM
+                 Proof(TQ_CONFIG, "def get_boundary_skip_layers(num_layers: int, n: int = 2)"),
+                 Proof(TQ_CONFIG, "def from_cache_dtype(cache_dtype: str, head_dim: int)"),
+                 Proof(TQ_CONFIG, "def slot_size_aligned(self) -> int:"))),
         Support(">=0.22.0,<=0.33.0", "upstream-merged",
                 "vLLM PR 39931 (in 0.22.0): no refusal, no boundary layers on hybrids, and the planner "
                 "sizes TurboQuant's packed page (lcm with skipped layers)",
                 (Proof("engine/arg_utils.py", REFUSAL_TEXT, present=False),
-                 Proof("model_executor/layers/quantization/turboquant/config.py", "if model_config.is_hybrid:"),
+                 Proof(TQ_CONFIG, "if model_config.is_hybrid:"),
                  Proof("platforms/interface.py", "attn_page_size_1_token = lcm(tq_page, skip_page)"))),
     ),
     default=True,

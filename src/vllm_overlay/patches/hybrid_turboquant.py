@@ -10,7 +10,7 @@ TurboQuant layers really store their packed slot (key + value + scales, e.g. 388
 256 for k8v4 instead of 512); the padded GDN state page then matches no attention page and the KV
 cache cannot be unified.
 
-This patch makes two anchored in-memory rewrites of vLLM 0.20.2 (each checked against the pristine
+This patch makes two anchored in-memory rewrites of vLLM 0.20.0-0.20.2 (each checked against the pristine
 source hash):
 - the refusal is replaced by ``boundary_skip_layers``: on a hybrid, TurboQuant goes on the
   full-attention layers (the GDN layers keep their state caches unchanged), and boundary protection
@@ -195,7 +195,7 @@ def attention_page_bytes_per_token(vllm_config: Any, stock: int) -> int:
         f"hybrid-turboquant: attention page per token {page} bytes for the hybrid planner "
         f"({cache.cache_dtype} packed {packed}"
         + (f", model-dtype layers {plain}, lcm" if plain else "")
-        + f"; vLLM 0.20.2 would plan {stock})"
+        + f"; stock vLLM 0.20.x would plan {stock})"
     )
     LOG.info(msg)
     STATE.event(msg)

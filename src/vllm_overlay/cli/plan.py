@@ -23,10 +23,10 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     inst = versions.installed_vllm()
     where = f"{inst.distribution} {inst.version} ({inst.platform})" if inst else "vLLM not installed"
-    table = Table(title=f"vllm-overlay plan on {where}")
     if inst is not None and inst.version not in versions.RELEASES:
-        console.print(f"[bold yellow]every patch skipped:[/] {unknown_release(inst.version)}", soft_wrap=True)
-    for col in ("patch", "decision", "reason", "mechanism", "applies on"):
+        print(f"every patch skipped: {unknown_release(inst.version)}")
+    table = Table(title=f"vllm-overlay plan on {where}")
+    for col in ("patch", "decision", "reason", "mechanism", "vLLM"):
         table.add_column(col, overflow="fold")
     table.add_column("targets", no_wrap=True)
     decisions = decide(vllm=inst)
@@ -35,16 +35,7 @@ def run(args: argparse.Namespace) -> int:
         targets = "\n".join(t.qualname for t in s.targets if inst is None or t.applies_to(inst.version))
         status = "would apply" if d.status == "planned" else d.status
         table.add_row(s.id, f"[{STYLE[d.status]}]{status}[/]", d.reason, s.mechanism, s.vllm, targets)
-    if console.is_terminal:
-        console.print(table)
-    else:  # pipes and logs: one whole line per patch, no identifier broken
-        print(f"vllm-overlay plan on {where}")
-        for d in decisions:
-            s = d.spec
-            shown = [t.qualname for t in s.targets if inst is None or t.applies_to(inst.version)]
-            print(f"{s.id}: {'would apply' if d.status == 'planned' else d.status}: {d.reason} "
-                  f"[{s.mechanism}; applies on {s.vllm}; targets {', '.join(shown) or '-'}]")
-    console = Console(soft_wrap=True)  # the ledger's lines are not wrapped either
+    console.print(table)
     if args.ledger:
         for d in decisions:
             s = d.spec
@@ -57,9 +48,7 @@ def run(args: argparse.Namespace) -> int:
                           f"[bold]conflicts[/]: {', '.join(s.conflicts) or '-'}")
             console.print(f"[bold]settings[/]: {', '.join(s.settings) or '-'}")
             for t in s.targets:
-                how = f"wrapped by {t.wrapper}" if t.wrapper else "rewritten"
-                console.print(f"[bold]target[/]: {t} ({how}" + (f"; vLLM {t.vllm})" if t.vllm else ")"),
-                              soft_wrap=True)
+                console.print(f"[bold]target[/]: {t}" + (f" (vLLM {t.vllm})" if t.vllm else ""))
             for row in s.support:
                 console.print(f"[bold]vLLM {row.vllm}[/]: {row.status}: {row.reason}")
             console.print(f"[bold]retire when[/]: {s.retire_when}")

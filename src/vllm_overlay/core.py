@@ -19,6 +19,7 @@ from typing import Any
 
 from vllm_overlay import settings, versions
 from vllm_overlay.errors import OverlayError, PatchConflictError, StrictModeError, UnknownPatchError
+from vllm_overlay.mechanisms import install as installmech
 from vllm_overlay.mechanisms import wrap as wrapmech
 from vllm_overlay import logs
 from vllm_overlay.logs import LOG
@@ -26,17 +27,36 @@ from vllm_overlay.report import STATE
 from vllm_overlay.spec import PatchSpec
 
 
+def unknown_release(version: str) -> str:
+    """The one reason every patch gives on a vLLM release the support matrix does not cover."""
+    return (
+        f"vLLM {version} is not in the support matrix (checked releases {versions.RELEASES[0]} to "
+        f"{versions.RELEASES[-1]}: hashes, anchors and targets); nothing is guessed: no patch applies "
+        f"(a maintainer adds it with `vllm-overlay verify --version {version} --download --propose`)"
+    )
+
+
 @dataclass(frozen=True)
 class Decision:
     spec: PatchSpec
-    status: str  # "planned" | "off" | "skipped" | "upstream-merged"
+    status: str  # "planned" | "off" | "skipped" | "upstream-merged" | "not-needed"
     reason: str
 
 
 def registry() -> tuple[tuple[PatchSpec, ModuleType], ...]:
     from vllm_overlay.registry import PATCH_MODULES
 
-    return tuple((importlib.import_module(m).SPEC, importlib.import_module(m)) for m in PATCH_MODULES)
+    out = []
+    for name in PATCH_MODULES:
+        mod = importlib.import_module(name)
+        stale = [f for f in ("install", "MODULES") if hasattr(mod, f)]
+        if stale:  # what is installed comes from SPEC alone; a module's own would be silently ignored
+            raise OverlayError(
+                f"{name} defines {', '.join(stale)}: patches declare what they wrap and rewrite in SPEC "
+                "(Target(..., wrapper='_fn'), rewrites); mechanisms/install.py installs it"
+            )
+        out.append((mod.SPEC, mod))
+    return tuple(out)
 
 
 def specs() -> tuple[PatchSpec, ...]:
@@ -103,18 +123,17 @@ def decide(
             out[spec.id] = Decision(spec, "skipped", f"enabled, but {spec.enabled_by} is 0 (nothing to do)")
         elif inst is None:
             out[spec.id] = Decision(spec, "skipped", "vLLM is not installed in this environment")
-        elif versions.matches(inst.version, spec.upstream_merged):
+        elif inst.version not in versions.RELEASES:
+            out[spec.id] = Decision(spec, "skipped", unknown_release(inst.version))
+        elif (row := spec.support_for(inst.version)) is None or row.status == "unsupported":
+            why_not = row.reason if row else "no support row covers it"
+            out[spec.id] = Decision(spec, "skipped", f"unsupported on vLLM {inst.version}: {why_not}")
+        elif row.status in ("upstream-merged", "not-needed"):
+            out[spec.id] = Decision(spec, row.status, f"vLLM {inst.version}: {row.reason}")
+        elif not spec.modules(inst.version):
             out[spec.id] = Decision(
-                spec, "upstream-merged", f"vLLM {inst.version} already does this upstream"
-            )
-        elif not versions.matches(inst.version, spec.vllm):
-            out[spec.id] = Decision(
-                spec, "skipped", f"requested vllm {spec.vllm}, found {inst.version}"
-            )
-        elif spec.rewrites and not any(rw.version == inst.version for rw in spec.rewrites):
-            have = ", ".join(sorted({rw.version for rw in spec.rewrites}))
-            out[spec.id] = Decision(
-                spec, "skipped", f"no recorded source anchors for vLLM {inst.version} (have: {have})"
+                spec, "skipped", f"the support matrix says it applies on vLLM {inst.version}, but the "
+                "spec records no target or rewrite for it (a data error: run `vllm-overlay verify`)"
             )
         elif inst.platform not in spec.platforms:
             out[spec.id] = Decision(
@@ -216,7 +235,8 @@ def _make_hook(active: Active, module_name: str, strict: bool) -> Any:
             t0 = time.perf_counter()
             try:
                 with wrapmech.installing(active.spec.id):
-                    installed = active.module.install(module_name, module)
+                    installed = installmech.install(active.spec, active.module, module_name,
+                                                    STATE.vllm_version or "")
             except Exception as exc:  # noqa: BLE001
                 _fail(active, exc, strict)
                 return
@@ -244,6 +264,10 @@ def _make_hook(active: Active, module_name: str, strict: bool) -> Any:
     return hook
 
 
+def on_any(decisions: list[Decision]) -> bool:
+    return any(d.status != "off" for d in decisions)
+
+
 def register() -> None:
     """Apply the registry in this process. Re-entrant and idempotent."""
     t0 = time.perf_counter()
@@ -261,6 +285,14 @@ def register() -> None:
         decisions = decide(vllm=inst)
         modules = {s.id: m for s, m in registry()}
         STATE.registered = True
+        if inst is not None and inst.version not in versions.RELEASES and on_any(decisions):
+            line = unknown_release(inst.version)
+            for d in decisions:
+                STATE.set_patch(d.spec.id, d.status, reason=d.reason)
+            if strict:
+                raise StrictModeError(f"VLLM_OVERLAY_STRICT=1 refuses to start: {line}")
+            LOG.warning("every patch skipped: %s", line)  # one line, not one per patch
+            decisions = []
         for d in decisions:
             if d.status != "planned":
                 STATE.set_patch(d.spec.id, d.status, reason=d.reason)
@@ -272,7 +304,7 @@ def register() -> None:
                     LOG.warning("patch %s skipped: %s", d.spec.id, d.reason)
                 continue
             module = modules[d.spec.id]
-            active = Active(d.spec, module, pending=set(module.MODULES(inst.version)))
+            active = Active(d.spec, module, pending=set(d.spec.modules(inst.version)))
             _ACTIVE[d.spec.id] = active
             STATE.set_patch(d.spec.id, "armed", reason=d.reason, pending_modules=sorted(active.pending))
             for module_name in sorted(active.pending):

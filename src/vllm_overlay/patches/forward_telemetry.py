@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import weakref
-from types import ModuleType
 from typing import Any
 
 from vllm_overlay import budget
-from vllm_overlay.mechanisms.wrap import Installed, wrap
 from vllm_overlay.patches._runner import RUNNER, RUNNER_MODULE, dummy_tokens, tp_rank, worker_rank
 from vllm_overlay.report import STATE
-from vllm_overlay.spec import PatchSpec, Target
+from vllm_overlay.spec import PatchSpec, Support, Target
 
 SPEC = PatchSpec(
     id="forward-telemetry",
@@ -24,20 +22,20 @@ SPEC = PatchSpec(
     ),
     upstream="https://github.com/vllm-project/vllm/blob/v0.20.2/vllm/v1/worker/gpu_model_runner.py",
     targets=(
-        Target(RUNNER_MODULE, f"{RUNNER}.__init__"),
-        Target(RUNNER_MODULE, f"{RUNNER}.execute_model"),
-        Target(RUNNER_MODULE, f"{RUNNER}._dummy_run"),
+        Target(RUNNER_MODULE, f"{RUNNER}.__init__", wrapper="_init"),
+        Target(RUNNER_MODULE, f"{RUNNER}.execute_model", wrapper="_execute_model", params=("scheduler_output",)),
+        Target(RUNNER_MODULE, f"{RUNNER}._dummy_run", wrapper="_dummy_run", params=("num_tokens", "is_profile")),
     ),
     mechanism="wrap",
-    vllm=">=0.20.2,<=0.32.0",
+    support=(
+        Support(">=0.20.0,<=0.33.0", "applies",
+                "the overlay's own per-forward counts; the V1 runner methods it wraps exist with the "
+                "parameters it reads"),
+    ),
     default=True,
     retire_when="vLLM exports per-forward scheduled-token counts itself (a metric or a hook).",
     settings=("VLLM_OVERLAY_REPORT_DIR",),
 )
-
-
-def MODULES(version: str) -> list[str]:  # noqa: N802 - part of the patch interface
-    return [RUNNER_MODULE]
 
 
 _noted: list[Any] = [None]  # weak reference to the runner engine_config describes
@@ -91,10 +89,3 @@ def _init(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, 
     STATE.write()  # the live limits are visible to the harness before any traffic
     return result
 
-
-def install(module_name: str, module: ModuleType) -> list[Installed]:
-    return [
-        wrap(RUNNER_MODULE, f"{RUNNER}.__init__", _init),
-        wrap(RUNNER_MODULE, f"{RUNNER}.execute_model", _execute_model),
-        wrap(RUNNER_MODULE, f"{RUNNER}._dummy_run", _dummy_run),
-    ]

@@ -20,25 +20,26 @@ source, and is counted in the report; it never reaches a slice.
 from __future__ import annotations
 
 import os
+import dataclasses
 import threading
 import weakref
-from types import ModuleType
 from typing import Any
 
 from vllm_overlay import budget, settings
 from vllm_overlay.errors import CapacityError
-from vllm_overlay.mechanisms import rewrite
-from vllm_overlay.mechanisms.wrap import Installed, wrap
 from vllm_overlay.patches._runner import RUNNER, RUNNER_MODULE, dummy_tokens, forward_tokens
 from vllm_overlay.report import LOG, STATE
-from vllm_overlay.spec import Edit, PatchSpec, Rewrite, Target
+from vllm_overlay.spec import Edit, PatchSpec, Proof, Support, Target, per_release
 
 ATTR = "_vllm_overlay_gdn_out"
 
-MOD_020 = "vllm.model_executor.layers.mamba.gdn_linear_attn"
+MOD_020 = "vllm.model_executor.layers.mamba.gdn_linear_attn"  # vLLM 0.20.x
 CLS_020 = "GatedDeltaNetAttention"
-MOD_032 = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn"
-CLS_032 = "QwenGatedDeltaNetAttention"
+PATH_020 = "model_executor/layers/mamba/gdn_linear_attn.py"
+MOD_QWEN = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn"  # vLLM 0.22.0 and later
+CLS_QWEN = "QwenGatedDeltaNetAttention"
+PATH_QWEN = "model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py"
+MOD_032, CLS_032 = MOD_QWEN, CLS_QWEN  # the names tests and earlier code use
 
 _ZEROS = (
     "core_attn_out = torch.zeros(\n"
@@ -53,8 +54,8 @@ _ZEROS = (
 _SLICE = (
     f"core_attn_out = getattr(self, {ATTR!r}, None)\n"
     "{i}if core_attn_out is None:  # no overlay buffer on this layer: stock's allocation\n"
-    "{i}    core_attn_out = torch.zeros((num_tokens, self.num_v_heads // self.tp_size, self.head_v_dim), "
-    "dtype=hidden_states.dtype, device=hidden_states.device)\n"
+    "{i}    core_attn_out = hidden_states.new_zeros((num_tokens, self.num_v_heads // self.tp_size, "
+    "self.head_v_dim))\n"
     "{i}else:\n"
     "{i}    core_attn_out = core_attn_out[:num_tokens].zero_()\n"
 )
@@ -69,23 +70,64 @@ def _edit(lead: str, indent: str) -> Edit:
 
 
 _MAIN = _edit("# see discussions in https://github.com/vllm-project/vllm/pull/28182", "    ")
-_FUSED = Edit(  # the allocation sits one level deeper, inside the if
+_FUSED = Edit(  # 0.32.0 and later: the allocation sits one level deeper, inside the if
     anchor="    if use_fused_gdn_spec_decode:\n        " + _ZEROS.format(i="        "),
     replacement="    if use_fused_gdn_spec_decode:\n        " + _SLICE.format(i="        "),
 )
+_FUSED_DECODE = Edit(  # 0.28.0 to 0.31.0 name the fused branch use_fused_gdn_decode
+    anchor="    if use_fused_gdn_decode:\n        " + _ZEROS.format(i="        "),
+    replacement="    if use_fused_gdn_decode:\n        " + _SLICE.format(i="        "),
+)
 _CPU = _edit("num_tokens = hidden_states.size(0)", "    ")
 
+# Pristine sha256 of each rewritten function per release (`vllm-overlay verify --propose` prints them)
 REWRITES = (
-    Rewrite(Target(MOD_020, f"{CLS_020}.forward_cuda", "==0.20.2"), "0.20.2",
-            "model_executor/layers/mamba/gdn_linear_attn.py",
-            "314bf317cb49a4f0a3e33ae6e03dfbacadd2527721f58d9b8977c9f840b291c4", (_MAIN,)),
-    Rewrite(Target(MOD_032, f"{CLS_032}.forward_cuda", "==0.32.0"), "0.32.0",
-            "model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py",
-            "4677edfe53828b96e1d00976ef4f3e9368d1b0ece2aeaa994b393369025c49fc", (_FUSED, _MAIN)),
-    Rewrite(Target(MOD_032, f"{CLS_032}.forward_cpu", "==0.32.0"), "0.32.0",
-            "model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py",
-            "087e254665af31d99d48002f126119ba1b420b469da281e6259da003efe6dabb", (_CPU,)),
+    *per_release(Target(MOD_020, f"{CLS_020}.forward_cuda"), PATH_020, (_MAIN,), {
+        "0.20.0": "314bf317cb49a4f0a3e33ae6e03dfbacadd2527721f58d9b8977c9f840b291c4",
+        "0.20.1": "314bf317cb49a4f0a3e33ae6e03dfbacadd2527721f58d9b8977c9f840b291c4",
+        "0.20.2": "314bf317cb49a4f0a3e33ae6e03dfbacadd2527721f58d9b8977c9f840b291c4",
+    }),
+    *per_release(Target(MOD_QWEN, f"{CLS_QWEN}.forward_cuda"), PATH_QWEN, (_MAIN,), {
+        "0.22.0": "62f58d4df44cb49920ddd1be9ab01d2b437acee91156257ee3f37ff5d7ecd97b",
+        "0.22.1": "62f58d4df44cb49920ddd1be9ab01d2b437acee91156257ee3f37ff5d7ecd97b",
+        "0.23.0": "96b258b76c6cef374c5607bd0c3730b185031c7601efdeb0813d7e03ce852098",
+        "0.24.0": "96b258b76c6cef374c5607bd0c3730b185031c7601efdeb0813d7e03ce852098",
+        "0.25.0": "96b258b76c6cef374c5607bd0c3730b185031c7601efdeb0813d7e03ce852098",
+        "0.25.1": "96b258b76c6cef374c5607bd0c3730b185031c7601efdeb0813d7e03ce852098",
+        "0.26.0": "042c8e612a6819c7feb18c0ab845a9df1a15f56f63e69892845d53ac8369d66d",
+        "0.27.0": "042c8e612a6819c7feb18c0ab845a9df1a15f56f63e69892845d53ac8369d66d",
+        "0.27.1": "042c8e612a6819c7feb18c0ab845a9df1a15f56f63e69892845d53ac8369d66d",
+    }),
+    *per_release(Target(MOD_QWEN, f"{CLS_QWEN}.forward_cuda"), PATH_QWEN, (_FUSED_DECODE, _MAIN), {
+        "0.28.0": "0f0ab2a8a4eec49a07240bf780b837deac4a419e1a6720fc0ef3fad97e87020d",
+        "0.29.0": "0f0ab2a8a4eec49a07240bf780b837deac4a419e1a6720fc0ef3fad97e87020d",
+        "0.30.0": "0f0ab2a8a4eec49a07240bf780b837deac4a419e1a6720fc0ef3fad97e87020d",
+        "0.31.0": "8f9660027310781fa65eae9cb284ae9685c8ef745c148f22cce044832edf6bb2",
+    }),
+    *per_release(Target(MOD_QWEN, f"{CLS_QWEN}.forward_cuda"), PATH_QWEN, (_FUSED, _MAIN), {
+        "0.32.0": "4677edfe53828b96e1d00976ef4f3e9368d1b0ece2aeaa994b393369025c49fc",
+        "0.33.0": "4677edfe53828b96e1d00976ef4f3e9368d1b0ece2aeaa994b393369025c49fc",
+    }),
+    *per_release(Target(MOD_QWEN, f"{CLS_QWEN}.forward_cpu"), PATH_QWEN, (_CPU,), {
+        "0.22.0": "d66cf1a6746e4421fb83d89e48089f719a70539b34904a72e84c5506d72559f5",
+        "0.22.1": "d66cf1a6746e4421fb83d89e48089f719a70539b34904a72e84c5506d72559f5",
+        "0.23.0": "d66cf1a6746e4421fb83d89e48089f719a70539b34904a72e84c5506d72559f5",
+        "0.24.0": "d66cf1a6746e4421fb83d89e48089f719a70539b34904a72e84c5506d72559f5",
+        "0.25.0": "d66cf1a6746e4421fb83d89e48089f719a70539b34904a72e84c5506d72559f5",
+        "0.25.1": "d66cf1a6746e4421fb83d89e48089f719a70539b34904a72e84c5506d72559f5",
+        "0.26.0": "8cfb077b07e04effa8c6e6d69adb7e8ea80d95689207aadb202bf3aa021afdff",
+        "0.27.0": "8cfb077b07e04effa8c6e6d69adb7e8ea80d95689207aadb202bf3aa021afdff",
+        "0.27.1": "8cfb077b07e04effa8c6e6d69adb7e8ea80d95689207aadb202bf3aa021afdff",
+        "0.28.0": "8cfb077b07e04effa8c6e6d69adb7e8ea80d95689207aadb202bf3aa021afdff",
+        "0.29.0": "8cfb077b07e04effa8c6e6d69adb7e8ea80d95689207aadb202bf3aa021afdff",
+        "0.30.0": "8cfb077b07e04effa8c6e6d69adb7e8ea80d95689207aadb202bf3aa021afdff",
+        "0.31.0": "087e254665af31d99d48002f126119ba1b420b469da281e6259da003efe6dabb",
+        "0.32.0": "087e254665af31d99d48002f126119ba1b420b469da281e6259da003efe6dabb",
+        "0.33.0": "087e254665af31d99d48002f126119ba1b420b469da281e6259da003efe6dabb",
+    }),
 )
+GONE = ("core_attn_out = torch.zeros(",)  # no per-forward allocation may remain after the rewrite
+REWRITES = tuple(dataclasses.replace(rw, gone=GONE) for rw in REWRITES)
 
 SPEC = PatchSpec(
     id="gdn-output-prealloc",
@@ -93,16 +135,26 @@ SPEC = PatchSpec(
     why=__doc__.split("\n\n")[1] + " " + __doc__.split("\n\n")[2],
     upstream="https://github.com/vllm-project/vllm/pull/28182 (why the buffer must be zeroed)",
     targets=(
-        Target(MOD_020, f"{CLS_020}.__init__", "==0.20.2"),
-        Target(MOD_020, f"{CLS_020}.forward_cuda", "==0.20.2"),
-        Target(MOD_032, f"{CLS_032}.__init__", "==0.32.0"),
-        Target(MOD_032, f"{CLS_032}.forward_cuda", "==0.32.0"),
-        Target(MOD_032, f"{CLS_032}.forward_cpu", "==0.32.0"),
-        Target(RUNNER_MODULE, f"{RUNNER}._model_forward"),
-        Target(RUNNER_MODULE, f"{RUNNER}._dummy_run"),
+        Target(MOD_020, f"{CLS_020}.__init__", "<0.22.0", wrapper="_init"),
+        Target(MOD_020, f"{CLS_020}.forward_cuda", "<0.22.0"),
+        Target(MOD_QWEN, f"{CLS_QWEN}.__init__", ">=0.22.0", wrapper="_init"),
+        Target(MOD_QWEN, f"{CLS_QWEN}.forward_cuda", ">=0.22.0"),
+        Target(MOD_QWEN, f"{CLS_QWEN}.forward_cpu", ">=0.22.0"),
+        Target(RUNNER_MODULE, f"{RUNNER}._model_forward", wrapper="_model_forward",
+               params=("input_ids", "positions", "intermediate_tensors", "inputs_embeds")),
+        Target(RUNNER_MODULE, f"{RUNNER}._dummy_run", wrapper="_dummy_run", params=("num_tokens", "is_profile")),
     ),
     mechanism="wrap+rewrite",
-    vllm=">=0.20.2,<=0.32.0",
+    support=(
+        Support("<0.22.0", "applies",
+                f"{CLS_020}.forward_cuda allocates core_attn_out = torch.zeros((num_tokens, ...)) on "
+                "every forward (no forward_cpu in 0.20.x)",
+                (Proof(PATH_020, "core_attn_out = torch.zeros("),)),
+        Support(">=0.22.0,<=0.33.0", "applies",
+                f"the layer moved to {CLS_QWEN} (mamba/gdn/); its forward_cuda and forward_cpu allocate "
+                "core_attn_out = torch.zeros((num_tokens, ...)) on every forward",
+                (Proof(PATH_QWEN, "core_attn_out = torch.zeros("),)),
+    ),
     default=True,
     retire_when=(
         "vLLM allocates the GDN output from a persistent buffer sized by max_num_batched_tokens "
@@ -116,14 +168,6 @@ SPEC = PatchSpec(
     changes_traced_code=True,
     rewrites=REWRITES,
 )
-
-
-def layer_class(version: str) -> tuple[str, str]:
-    return (MOD_020, CLS_020) if version.startswith("0.20.") else (MOD_032, CLS_032)
-
-
-def MODULES(version: str) -> list[str]:  # noqa: N802 - part of the patch interface
-    return [layer_class(version)[0], RUNNER_MODULE]
 
 
 # ---- the buffer pool -----------------------------------------------------------------------
@@ -311,30 +355,6 @@ def _dummy_run(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[
     check(dummy_tokens(args, kwargs), "profile forward" if kwargs.get("is_profile") else "dummy forward",
           _engine_of(instance))
     return wrapped(*args, **kwargs)
-
-
-def install(module_name: str, module: ModuleType) -> list[Installed]:
-    from vllm_overlay.versions import installed_vllm
-
-    inst = installed_vllm()
-    assert inst is not None
-    if module_name == RUNNER_MODULE:
-        return [
-            wrap(RUNNER_MODULE, f"{RUNNER}._model_forward", _model_forward),
-            wrap(RUNNER_MODULE, f"{RUNNER}._dummy_run", _dummy_run),
-        ]
-    mod, cls = layer_class(inst.version)
-    out: list[Installed] = []
-    try:
-        for rw in REWRITES:
-            if rw.version == inst.version:
-                out.append(rewrite.apply(rw, SPEC.id))
-        out.append(wrap(mod, f"{cls}.__init__", _init))
-    except Exception:
-        for done in reversed(out):
-            done.undo()
-        raise
-    return out
 
 
 def on_revert() -> None:

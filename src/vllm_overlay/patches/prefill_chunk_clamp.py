@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
-from types import ModuleType
 from typing import Any
 
 from vllm_overlay import settings
-from vllm_overlay.mechanisms.wrap import Installed, wrap
 from vllm_overlay.report import LOG, STATE
-from vllm_overlay.spec import PatchSpec, Target
+from vllm_overlay.spec import PatchSpec, Proof, Support, Target
 
 MODULE = "vllm.v1.core.sched.scheduler"
 QUALNAME = "Scheduler.__init__"
+
+SCHED_PATH = "v1/core/sched/scheduler.py"
+ONLY_WHEN_SHARED = "if num_eligible_reqs > 1"
+BOUNDS_EVERY = (
+    "bounds the prefill chunk of every running or waiting request per step, a long prompt alone "
+    "included; not a forward's total"
+)
+BOUNDS_SHARED = (
+    "bounds a request's prefill chunk only while more than one request is running or waiting "
+    "(vLLM applies long_prefill_token_threshold only then): a long prompt alone is not clamped; "
+    "not a forward's total"
+)
 
 SPEC = PatchSpec(
     id="prefill-chunk-clamp",
@@ -26,18 +36,19 @@ SPEC = PatchSpec(
         "prefill on, a decoder-only model, not pooling) and says so when it stands aside."
     ),
     upstream="https://github.com/vllm-project/vllm/blob/v0.20.2/vllm/v1/core/sched/scheduler.py",
-    targets=(Target(MODULE, QUALNAME),),
+    targets=(Target(MODULE, QUALNAME, wrapper="_init"),),
     mechanism="wrap",
-    vllm=">=0.20.2,<=0.32.0",
+    support=(
+        Support("<0.31.0", "applies", BOUNDS_EVERY,
+                (Proof(SCHED_PATH, "if 0 < self.scheduler_config.long_prefill_token_threshold < num_new_tokens"),
+                 Proof(SCHED_PATH, ONLY_WHEN_SHARED, present=False))),
+        Support(">=0.31.0,<=0.33.0", "applies", BOUNDS_SHARED, (Proof(SCHED_PATH, ONLY_WHEN_SHARED),)),
+    ),
     default=False,
     enabled_by="VLLM_OVERLAY_PREFILL_CHUNK_CLAMP",
     retire_when="Users pass --long-prefill-token-threshold themselves.",
     settings=("VLLM_OVERLAY_PREFILL_CHUNK_CLAMP",),
 )
-
-
-def MODULES(version: str) -> list[str]:  # noqa: N802 - part of the patch interface
-    return [MODULE]
 
 
 def stands_aside(scheduler: Any) -> str | None:
@@ -65,14 +76,13 @@ def _init(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, 
         STATE.count("clamp_stood_aside")
     elif clamp > 0 and (current == 0 or clamp < current):
         sched.long_prefill_token_threshold = clamp
+        row = SPEC.support_for(STATE.vllm_version or "")
         msg = (f"prefill-chunk-clamp: long_prefill_token_threshold {current} -> {clamp} "
-               f"(max_num_batched_tokens {sched.max_num_batched_tokens} still bounds the forward)")
+               f"(max_num_batched_tokens {sched.max_num_batched_tokens} still bounds the forward)"
+               + (f"; on vLLM {STATE.vllm_version} it {row.reason}" if row else ""))
     else:
         msg = f"prefill-chunk-clamp: kept the user's long_prefill_token_threshold {current} (<= {clamp})"
     LOG.info(msg)
     STATE.event(msg)
     return result
 
-
-def install(module_name: str, module: ModuleType) -> list[Installed]:
-    return [wrap(MODULE, QUALNAME, _init)]

@@ -12,6 +12,8 @@ Skipped, with the reason, when Triton is not importable (the test does not insta
 
 from __future__ import annotations
 
+from typing import Any
+
 import importlib.util
 import math
 import os
@@ -187,3 +189,72 @@ def test_bad_arguments_name_themselves() -> None:
         tq_verify_attention(torch.zeros(4, 3, 64), cache, torch.zeros(1, 1, dtype=torch.int32),
                             torch.ones(1, dtype=torch.int32), torch.tensor([0, 4], dtype=torch.int32),
                             max_query_len=4, **common)
+
+
+@pytest.fixture(scope="module")
+def vllm_0_20_2_store() -> Any:
+    """vLLM 0.20.2's own TurboQuant store kernels, from its wheel, run by the interpreter: the two
+    vLLM imports of the file are replaced (Triton itself; the Ampere FP8 switch, 0 = e4m3 as on the
+    H200); the code is loaded from the wheel in this process, never copied into this project."""
+    import types
+    import zipfile
+
+    from vllm_overlay import wheels
+
+    with zipfile.ZipFile(wheels.fetch_vllm_wheel("0.20.2")) as z:
+        text = z.read("vllm/v1/attention/ops/triton_turboquant_store.py").decode()
+    for old, new in (("from vllm.triton_utils import tl, triton\n", "import triton\nimport triton.language as tl\n"),
+                     ("from vllm.v1.attention.ops.triton_turboquant_decode import _use_fp8_e4b15\n",
+                      "def _use_fp8_e4b15(device=0):\n    return 0\n")):
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_vllm_0_20_2_tq_store.py")
+    mod = types.ModuleType("vllm_0_20_2_tq_store")
+    mod.__file__ = path  # triton.jit reads the source of its functions: give it the text
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import linecache
+
+        linecache.cache[path] = (len(text), None, text.splitlines(True), path)
+        exec(compile(text, path, "exec"), mod.__dict__)  # noqa: S102 - vLLM's file, from its wheel
+    finally:
+        if before is None:
+            os.environ.pop("TRITON_INTERPRET")
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+    return mod
+
+
+def test_reads_the_cache_vllm_0_20_2_writes(vllm_0_20_2_store: Any) -> None:
+    # vLLM's store kernel writes k8v4 slots; our torch packer must write the same bytes, and our
+    # kernel must read vLLM's. The keys are FP8-representable bf16 values: the interpreter's
+    # float-to-FP8 cast loses the carry when rounding up crosses a power of two (0.484 -> 0.25), a
+    # flaw of the CPU emulation, not of the layout; exact inputs make every rounding mode agree.
+    gen = torch.Generator().manual_seed(11)
+    dim, hq, hk, bs, lens, q_len = 64, 8, 2, 16, [29, 50], 4
+    lay = ref.layout(dim, key_fp8=True, key_mse_bits=0, value_bits=4)
+    cache, table = _paged(lens, hk, lay["slot"], bs, gen, 0)
+    ks = [torch.randn(n, hk, dim, generator=gen).to(torch.float8_e4m3fn).to(torch.bfloat16) for n in lens]
+    vs = [torch.randn(n, hk, dim, generator=gen).to(torch.bfloat16) for n in lens]
+    slots = torch.cat([table[i, torch.arange(n) // bs].long() * bs + torch.arange(n) % bs
+                       for i, n in enumerate(lens)])
+    vllm_0_20_2_store.triton_turboquant_store(
+        torch.cat(ks), torch.cat(vs), cache, slots, torch.eye(dim), torch.zeros(15), mse_bits=0,
+        key_packed_size=dim, value_quant_bits=4, key_fp8=True)
+    written = cache.view(-1, hk, lay["slot"])[slots]
+    assert torch.equal(written, ref.pack_k8v4(torch.cat(ks), torch.cat(vs)))
+
+    q = torch.randn(len(lens) * q_len, hq, dim, generator=gen).to(torch.bfloat16)
+    out = tq_verify_attention(
+        q, cache, table, torch.tensor(lens, dtype=torch.int32),
+        torch.tensor([0, q_len, 2 * q_len], dtype=torch.int32), max_query_len=q_len, scale=0.125,
+        key_fp8=True, key_mse_bits=0, key_packed_size=dim, value_quant_bits=4, norm_correction=False,
+        num_kv_splits=4, out=torch.zeros(len(lens) * q_len, hq, dim))
+    for i, n in enumerate(lens):
+        blk, off = _positions(table, i, n, bs)
+        kd, vd = ref.unpack(cache[blk, off], dim, key_fp8=True, key_mse_bits=0, value_bits=4)
+        want = ref.verify_attention(q[i * q_len:(i + 1) * q_len], kd, vd, 0.125)
+        assert (out[i * q_len:(i + 1) * q_len] - want).abs().max().item() < 1e-5
+        raw = ref.verify_attention(q[i * q_len:(i + 1) * q_len], ks[i], vs[i], 0.125)
+        assert ((out[i * q_len:(i + 1) * q_len] - raw).norm() / raw.norm()).item() < 0.15

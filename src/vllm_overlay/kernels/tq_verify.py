@@ -126,7 +126,7 @@ def _verify_split_kernel(
             lo8 = tl.load(KV_ptr + slot[:, None] + mse_byte[None, :], mask=tile_ok, other=0).to(tl.int32)
             hi8 = tl.load(KV_ptr + slot[:, None] + mse_byte[None, :] + 1, mask=tile_ok, other=0).to(tl.int32)
             idx = ((lo8 | (hi8 << 8)) >> mse_shift[None, :]) & ((1 << MSE_BITS) - 1)
-            k = tl.load(Cent_ptr + idx, mask=tile_ok, other=0.0)
+            k = tl.load(Cent_ptr + idx, mask=tile_ok, other=0.0).to(tl.float32)
             if NORM_CORRECTION:
                 k = k / tl.sqrt(tl.sum(k * k, axis=1) + 1e-16)[:, None]
             n_lo = tl.load(KV_ptr + slot + MSE_BYTES, mask=pos_ok, other=0).to(tl.uint16)

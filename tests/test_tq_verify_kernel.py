@@ -258,3 +258,50 @@ def test_reads_the_cache_vllm_0_20_2_writes(vllm_0_20_2_store: Any) -> None:
         assert (out[i * q_len:(i + 1) * q_len] - want).abs().max().item() < 1e-5
         raw = ref.verify_attention(q[i * q_len:(i + 1) * q_len], ks[i], vs[i], 0.125)
         assert ((out[i * q_len:(i + 1) * q_len] - raw).norm() / raw.norm()).item() < 0.15
+
+
+def test_patch_forward_on_a_marked_batch() -> None:
+    # turboquant-spec-decode's forward wrapper end to end on the CPU: a marked verify batch with a
+    # padding request, a 2-D output buffer (as vLLM passes it) and vLLM's TurboQuantConfig (0.32
+    # here, the same k8v4 layout as 0.20.2); the impl and the layer are stand-ins holding the
+    # attributes 0.20.2's TurboQuantAttentionImpl and Attention layer have (test_turboquant_spec_decode
+    # checks them in the 0.20.2 wheel)
+    from types import SimpleNamespace
+
+    pytest.importorskip("vllm")
+    from vllm.model_executor.layers.quantization.turboquant.config import TurboQuantConfig
+
+    from vllm_overlay.patches import turboquant_spec_decode as tsd
+
+    gen = torch.Generator().manual_seed(5)
+    dim, hq, hk, bs, lens, q_len = 64, 8, 2, 16, [40, 23], 3
+    cfg = TurboQuantConfig.from_cache_dtype("turboquant_k8v4", dim)
+    cache, table = _paged(lens, hk, cfg.slot_size_aligned, bs, gen, 1)
+    ks = [torch.randn(n, hk, dim, generator=gen).to(torch.bfloat16) for n in lens]
+    vs = [torch.randn(n, hk, dim, generator=gen).to(torch.bfloat16) for n in lens]
+    for i, n in enumerate(lens):
+        blk, off = _positions(table, i, n, bs)
+        cache[blk, off] = ref.pack_k8v4(ks[i], vs[i])
+    padded = 3 * q_len  # two requests and one padding request of a captured batch size
+    query = torch.randn(padded, hq * dim, generator=gen).to(torch.bfloat16)
+    output = torch.full((padded, hq * dim), 7.0, dtype=torch.bfloat16)
+    meta = SimpleNamespace(num_actual_tokens=padded, seq_lens=torch.tensor(lens + [0], dtype=torch.int32),
+                           query_start_loc=torch.tensor([0, 3, 6, 6], dtype=torch.int32),
+                           block_table=table, **{tsd.MARK: q_len})
+    ensured = []
+    impl = SimpleNamespace(num_heads=hq, head_size=dim, scale=0.125, tq_config=cfg, max_num_kv_splits=32,
+                           _ensure_on_device=lambda layer, device: ensured.append(device))
+    layer = SimpleNamespace(_tq_centroids=torch.zeros(16), _tq_PiT=torch.eye(dim))
+
+    def stock(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a marked batch must not reach vLLM's forward")
+
+    res = tsd._forward(stock, impl, (layer, query, query, query, cache, meta), {"output": output})
+    assert res is output and ensured == [torch.device("cpu")]
+    for i, n in enumerate(lens):
+        blk, off = _positions(table, i, n, bs)
+        kd, vd = ref.unpack(cache[blk, off], dim, key_fp8=True, key_mse_bits=0, value_bits=4)
+        want = ref.verify_attention(query[i * q_len:(i + 1) * q_len].view(q_len, hq, dim), kd, vd, 0.125)
+        got = output[i * q_len:(i + 1) * q_len].view(q_len, hq, dim).float()
+        assert (got - want).abs().max().item() < 0.02  # bf16 output
+    assert output[6:].abs().max().item() == 0.0  # the padding request's rows: zeros, not stale

@@ -2,7 +2,8 @@
 # TurboQuant k8v4 + MTP (3 speculative tokens) on the Qwen3.6-35B-A3B geometry through `vllm serve`
 # with vllm-overlay, default CUDA graphs (vLLM 0.20.2 on one H200), then the band stress.
 #
-#   OUT=/some/dir bench/tq_mtp_serve.sh [TOTAL_SECONDS (default 530)]
+#   OUT=/some/dir bench/tq_mtp_serve.sh [TOTAL_SECONDS (default 480: fits a 9-minute call that first
+#   stages vLLM, about 60-70 s)]
 #
 # Run from the project root with vLLM 0.20.2 staged in /tmp/site (../shared/gpu/README.md); this
 # working tree's src/ goes first on PYTHONPATH. Writes under $OUT, whatever happens:
@@ -13,7 +14,7 @@
 #                        tq_verify_as_decode_batches), summary.json (what passed, read from the rest)
 # The whole run stays under TOTAL_SECONDS: the stress gets what the boot left, less a margin.
 set -u
-total=${1:-530}
+total=${1:-480}
 start=$SECONDS
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:?set OUT to a results directory}

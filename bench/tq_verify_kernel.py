@@ -273,7 +273,7 @@ def main() -> None:
     ap.add_argument("--contexts", nargs="+", type=int, default=[2048, 32768])
     ap.add_argument("--timing-q-lens", nargs="+", type=int, default=[4, 2])
     ap.add_argument("--reps", type=int, default=100)
-    ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new measurements after this")
+    ap.add_argument("--budget-s", type=float, default=330.0, help="stop starting new measurements after this")
     ap.add_argument("--smoke", action="store_true", help="small contexts, accuracy only (with TQ_VERIFY_BENCH_DEVICE=cpu)")
     args = ap.parse_args()
     if args.smoke:

@@ -123,7 +123,7 @@ class Batch:
             key_mse_bits=cfg.key_mse_bits, key_packed_size=cfg.key_packed_size,
             value_quant_bits=cfg.effective_value_quant_bits, norm_correction=cfg.norm_correction,
             centroids=self.centroids, PiT=self.hadamard,
-            num_kv_splits=splits or kv_splits(b, HK, KV_SPLITS), fp8_e4b15=bool(_use_fp8_e4b15(0)),
+            num_kv_splits=splits or kv_splits(b, HK), fp8_e4b15=bool(_use_fp8_e4b15(0)),
             block_kv=block_kv, num_warps=num_warps)
 
     def vllm_rows(self) -> torch.Tensor:
@@ -251,12 +251,17 @@ def timing(streams: int, ctx: int, q_len: int, reps: int, variants: bool = False
         except Exception as exc:  # noqa: BLE001 - recorded, the rest still runs
             entry[name] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
     if variants:  # launch settings of the same kernel, to tune the defaults (block_kv 16, 4 warps)
-        for bkv, warps in ((16, 8), (32, 4), (32, 8)):
+        from vllm_overlay.patches.turboquant_spec_decode import kv_splits
+
+        base = kv_splits(streams, HK)
+        entry["tq_verify_ours_splits"] = base
+        for bkv, warps, splits in ((16, 8, base), (32, 4, base), (32, 8, base),
+                                   (16, 4, max(1, base // 4)), (16, 4, base * 2)):
+            key = f"tq_verify_ours_block_kv{bkv}_warps{warps}_splits{splits}"
             try:
-                entry[f"tq_verify_ours_block_kv{bkv}_warps{warps}"] = time_graph(
-                    lambda: batch.ours(block_kv=bkv, num_warps=warps), reps)
+                entry[key] = time_graph(lambda: batch.ours(splits, block_kv=bkv, num_warps=warps), reps)
             except Exception as exc:  # noqa: BLE001
-                entry[f"tq_verify_ours_block_kv{bkv}_warps{warps}"] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
+                entry[key] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
     ours, fa = entry["tq_verify_ours"], entry["bf16_flash_attn2"]
     if "median_us" in ours and "median_us" in fa:
         entry["ours_over_bf16"] = ours["median_us"] / fa["median_us"]

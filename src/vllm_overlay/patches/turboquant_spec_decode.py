@@ -38,7 +38,12 @@ MODULE = "vllm.v1.attention.backends.turboquant_attn"
 BUILD = "TurboQuantMetadataBuilder.build"
 FORWARD = "TurboQuantAttentionImpl.forward"
 MARK = "vllm_overlay_verify_q_len"  # attribute set on TurboQuantMetadata
-SPLIT_TARGET_PROGRAMS = 256  # KV splits fill about two waves of an H200 (132 SMs) when few requests
+# KV splits per (request, kv head): aim at ~4 programs per SM of an H200 (132 SMs) when few requests
+# run, at most MAX_KV_SPLITS. The kernel's split buffer is its own (allocated per call, from the
+# graph pool under capture), so vLLM's tq_max_kv_splits_for_cuda_graph (32, sized for its own
+# preallocated buffers) does not bound it; rows x splits stays ~constant: the buffer stays small.
+SPLIT_TARGET_PROGRAMS = 512
+MAX_KV_SPLITS = 128
 
 SPEC = PatchSpec(
     id="turboquant-spec-decode",
@@ -84,7 +89,7 @@ def verify_query_len(query_lens: Sequence[int], num_speculative_tokens: int | No
     return seen if 2 <= seen <= 1 + num_speculative_tokens else None
 
 
-def kv_splits(num_requests: int, num_kv_heads: int, max_splits: int) -> int:
+def kv_splits(num_requests: int, num_kv_heads: int, max_splits: int = MAX_KV_SPLITS) -> int:
     """KV splits per (request, kv head): enough programs to fill the GPU, at most vLLM's limit.
 
     A host int fixed per captured batch size (each CUDA graph keeps a constant grid), rounded down
@@ -172,7 +177,7 @@ def verify_forward(impl: Any, bound: dict[str, Any], meta: Any, q_len: int) -> A
         max_query_len=q_len, scale=impl.scale, key_fp8=cfg.key_fp8, key_mse_bits=cfg.key_mse_bits,
         key_packed_size=cfg.key_packed_size, value_quant_bits=cfg.effective_value_quant_bits,
         norm_correction=cfg.norm_correction, centroids=layer._tq_centroids, PiT=layer._tq_PiT,
-        num_kv_splits=kv_splits(reqs, kv_cache.shape[2], int(impl.max_num_kv_splits)),
+        num_kv_splits=kv_splits(reqs, kv_cache.shape[2]),
         fp8_e4b15=bool(_use_fp8_e4b15(q.device.index or 0)),
     )
     if output.ndim == 3:

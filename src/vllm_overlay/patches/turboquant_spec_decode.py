@@ -7,9 +7,10 @@ accepted token and k drafts) is therefore a "prefill": ``_prefill_attention`` ru
 over the requests that reads ``query_start_loc.tolist()``. With speculative decoding the model
 runner captures full CUDA graphs for uniform batches of 1 + k tokens per request, and that host
 copy inside a capture kills the server at boot ("Cannot copy between CPU and CUDA tensors during
-CUDA graph capture"). vLLM 0.33 reads a CPU copy of ``query_start_loc`` there instead: that avoids
-the error, but a per-request loop captured in a graph replays the lengths of the capture, and the
-backend still declares ``supports_spec_as_decode=False``.
+CUDA graph capture"). vLLM 0.33 reads CPU copies of ``query_start_loc`` and ``seq_lens`` there
+instead: that avoids the error, but (read from its source, not run) the loop then slices its
+per-row lengths on the host (``_arange_cache[cached_len + 1 : seq_len + 1]``), so a captured graph
+would replay the capture's lengths; the backend still declares ``supports_spec_as_decode=False``.
 
 This patch wraps two methods. ``TurboQuantMetadataBuilder.build`` decides, from the CPU copy of
 the query lengths (no device sync), whether the batch is a uniform verify batch: every request has
@@ -90,7 +91,7 @@ def verify_query_len(query_lens: Sequence[int], num_speculative_tokens: int | No
 
 
 def kv_splits(num_requests: int, num_kv_heads: int, max_splits: int = MAX_KV_SPLITS) -> int:
-    """KV splits per (request, kv head): enough programs to fill the GPU, at most vLLM's limit.
+    """KV splits per (request, kv head): enough programs to fill the GPU, at most ``max_splits``.
 
     A host int fixed per captured batch size (each CUDA graph keeps a constant grid), rounded down
     to a power of two so that the batch sizes of a capture compile a handful of kernel variants.

@@ -91,7 +91,8 @@ class Batch:
         self.hadamard = _build_hadamard(DIM, str(dev))
         ordered = self.centroids.sort().values
         midpoints = (ordered[:-1] + ordered[1:]) / 2
-        self.kv_cache = torch.zeros(num_blocks, BLOCK, HK, cfg.slot_size_aligned, dtype=torch.uint8, device=dev)
+        self.kv_cache = torch.zeros(num_blocks, BLOCK, HK, cfg.slot_size_aligned, dtype=torch.uint8,
+                                    device=dev)
         k_all, v_all = torch.cat(self.ks), torch.cat(self.vs)
         triton_turboquant_store(k_all, v_all, self.kv_cache, slot_mapping, self.hadamard, midpoints,
                                 mse_bits=cfg.key_mse_bits, key_packed_size=cfg.key_packed_size,
@@ -169,7 +170,8 @@ class Batch:
 
 def compare(out: torch.Tensor, ref: torch.Tensor) -> dict[str, Any]:
     out, ref = out.float(), ref.float()
-    rows = torch.nn.functional.cosine_similarity(out.reshape(-1, out.shape[-1]), ref.reshape(-1, ref.shape[-1]), dim=1)
+    d = out.shape[-1]
+    rows = torch.nn.functional.cosine_similarity(out.reshape(-1, d), ref.reshape(-1, d), dim=1)
     return {"rel_err": ((out - ref).norm() / ref.norm()).item(),
             "max_abs_err": (out - ref).abs().max().item(),
             "cosine": torch.nn.functional.cosine_similarity(out.flatten(), ref.flatten(), dim=0).item(),
@@ -279,7 +281,8 @@ def main() -> None:
     ap.add_argument("--timing-q-lens", nargs="+", type=int, default=[4, 2])
     ap.add_argument("--reps", type=int, default=100)
     ap.add_argument("--budget-s", type=float, default=330.0, help="stop starting new measurements after this")
-    ap.add_argument("--smoke", action="store_true", help="small contexts, accuracy only (with TQ_VERIFY_BENCH_DEVICE=cpu)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="small contexts, accuracy only (with TQ_VERIFY_BENCH_DEVICE=cpu)")
     args = ap.parse_args()
     if args.smoke:
         global ACCURACY_LENS
@@ -318,14 +321,16 @@ def main() -> None:
                   f"max abs vs dequantized cache {d['max_abs_err']:.2e}; graph replay diff "
                   f"{e.get('cuda_graph_replay', {}).get('max_abs_diff_replay_vs_eager')}", flush=True)
         except Exception:  # noqa: BLE001
-            doc["errors"].append({"step": f"accuracy q_len {q_len}", "traceback": traceback.format_exc()[-3000:]})
+            doc["errors"].append({"step": f"accuracy q_len {q_len}",
+                                  "traceback": traceback.format_exc()[-3000:]})
             print(doc["errors"][-1]["traceback"], flush=True)
         save()
     for q_len in args.timing_q_lens:
         for streams in args.streams:
             for ctx in args.contexts:
                 if time.time() - t0 > args.budget_s:
-                    doc["errors"].append({"step": f"timing {streams}x{ctx} q_len {q_len}", "traceback": "budget"})
+                    doc["errors"].append({"step": f"timing {streams}x{ctx} q_len {q_len}",
+                                          "traceback": "not started: --budget-s reached"})
                     continue
                 try:
                     e = timing(streams, ctx, q_len, args.reps, variants=q_len == args.timing_q_lens[0])

@@ -203,7 +203,8 @@ def vllm_0_20_2_store() -> Any:
 
     with zipfile.ZipFile(wheels.fetch_vllm_wheel("0.20.2")) as z:
         text = z.read("vllm/v1/attention/ops/triton_turboquant_store.py").decode()
-    for old, new in (("from vllm.triton_utils import tl, triton\n", "import triton\nimport triton.language as tl\n"),
+    for old, new in (("from vllm.triton_utils import tl, triton\n",
+                      "import triton\nimport triton.language as tl\n"),
                      ("from vllm.v1.attention.ops.triton_turboquant_decode import _use_fp8_e4b15\n",
                       "def _use_fp8_e4b15(device=0):\n    return 0\n")):
         assert text.count(old) == 1, old

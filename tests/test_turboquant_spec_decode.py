@@ -50,7 +50,8 @@ def test_verify_query_len_refuses_negative_lengths() -> None:
 
 def test_kv_splits() -> None:
     # 2 kv heads (the 35B at TP 1): ~512 programs while few requests run, powers of two, 1 at least
-    assert [tsd.kv_splits(b, 2) for b in (1, 2, 4, 8, 16, 64, 128, 256, 512)] == [128, 128, 64, 32, 16, 4, 2, 1, 1]
+    got = [tsd.kv_splits(b, 2) for b in (1, 2, 4, 8, 16, 64, 128, 256, 512)]
+    assert got == [128, 128, 64, 32, 16, 4, 2, 1, 1]
     assert tsd.kv_splits(1, 1, 12) == 12  # never above the cap
     with pytest.raises(ValueError, match="num_kv_heads=0"):
         tsd.kv_splits(4, 0, 32)
@@ -113,7 +114,8 @@ def test_build_reads_the_cpu_lengths_only() -> None:
 
 def test_forward_routes_only_marked_batches(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
-    monkeypatch.setattr(tsd, "verify_forward", lambda impl, bound, meta, q_len: calls.append(f"verify {q_len}"))
+    monkeypatch.setattr(tsd, "verify_forward",
+                        lambda impl, bound, meta, q_len: calls.append(f"verify {q_len}"))
 
     def stock(*args: Any, **kwargs: Any) -> None:
         calls.append("stock")
@@ -173,4 +175,24 @@ def test_0_20_2_backend_is_what_the_wrappers_expect(tq_0_20_2: dict[str, str]) -
                    "centroids = tq_layer._tq_centroids", "query_start_loc: torch.Tensor",
                    "block_table: torch.Tensor", "seq_lens: torch.Tensor", "num_actual_tokens: int = 0"):
         assert needle in src, needle
-    assert "def _use_fp8_e4b15(device: int = 0) -> int:" in tq_0_20_2["v1/attention/ops/triton_turboquant_decode.py"]
+    ops = tq_0_20_2["v1/attention/ops/triton_turboquant_decode.py"]
+    assert "def _use_fp8_e4b15(device: int = 0) -> int:" in ops
+
+
+def test_install_and_revert_on_the_installed_backend_classes() -> None:
+    # the wrap mechanics on vLLM 0.32's TurboQuant classes (same names as in 0.20.2; the patch
+    # itself is planned only for 0.20.2): both methods wrapped, then restored exactly
+    import importlib
+
+    mod = importlib.import_module(tsd.MODULE)
+    before = (vars(mod.TurboQuantMetadataBuilder)["build"], vars(mod.TurboQuantAttentionImpl)["forward"])
+    installed = tsd.install(tsd.MODULE, mod)
+    try:
+        assert [i.where for i in installed] == [f"{tsd.MODULE}:{tsd.BUILD}", f"{tsd.MODULE}:{tsd.FORWARD}"]
+        assert vars(mod.TurboQuantMetadataBuilder)["build"].__wrapped__ is before[0]
+        assert vars(mod.TurboQuantAttentionImpl)["forward"].__wrapped__ is before[1]
+    finally:
+        for inst in reversed(installed):
+            inst.undo()
+    after = (vars(mod.TurboQuantMetadataBuilder)["build"], vars(mod.TurboQuantAttentionImpl)["forward"])
+    assert after == before

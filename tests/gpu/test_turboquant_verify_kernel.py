@@ -26,7 +26,8 @@ import tq_kernel  # noqa: E402  (vllm_version(): reads the version without impor
 
 def _skip_reason() -> str | None:
     if not torch.cuda.is_available():
-        return "needs a CUDA GPU (the kernel is Triton for CUDA; the CPU check is tests/test_tq_verify_kernel.py)"
+        return ("needs a CUDA GPU (the kernel is Triton for CUDA; the CPU check is "
+                "tests/test_tq_verify_kernel.py)")
     found = tq_kernel.vllm_version()
     if not (found or "").startswith("0.20."):
         return f"needs vLLM 0.20.x (its TurboQuant store kernel writes the cache), found {found}"
@@ -73,4 +74,5 @@ def test_agrees_with_vllms_single_query_kernel_per_row(results: list[dict[str, A
 
 def test_cuda_graph_replay_with_new_lengths(results: list[dict[str, Any]]) -> None:
     for r in results:
-        assert r["cuda_graph_replay"]["max_abs_diff_replay_vs_eager"] == 0.0, (r["q_len"], r["cuda_graph_replay"])
+        replay = r["cuda_graph_replay"]
+        assert replay["max_abs_diff_replay_vs_eager"] == 0.0, (r["q_len"], replay)

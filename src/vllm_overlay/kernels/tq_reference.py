@@ -115,7 +115,8 @@ def unpack(slots: torch.Tensor, head_dim: int, *, key_fp8: bool, key_mse_bits: i
     at = lay["kps"]
     codes = _read_bits(slots[..., at: at + lay["val_bytes"]], value_bits, head_dim).float()
     at += lay["val_bytes"]
-    v = codes * _f16_read(slots[..., at: at + 2])[..., None] + _f16_read(slots[..., at + 2: at + 4])[..., None]
+    scale, lowest = _f16_read(slots[..., at: at + 2]), _f16_read(slots[..., at + 2: at + 4])
+    v = codes * scale[..., None] + lowest[..., None]
     return k, v
 
 

@@ -50,7 +50,8 @@ SPEC = PatchSpec(
     id="turboquant-spec-decode",
     title="Speculative-decoding verify batches as decode on a TurboQuant KV cache (vLLM 0.20.x)",
     why=" ".join(" ".join(__doc__.split("\n\n")[1:3]).split()),
-    upstream="https://github.com/vllm-project/vllm/blob/v0.20.2/vllm/v1/attention/backends/turboquant_attn.py",
+    upstream=("https://github.com/vllm-project/vllm/blob/v0.20.2/"
+              "vllm/v1/attention/backends/turboquant_attn.py"),
     targets=(Target(MODULE, BUILD), Target(MODULE, FORWARD)),
     mechanism="wrap",
     vllm="==0.20.2",

@@ -20,6 +20,8 @@ import pytest
 import torch
 
 from vllm_overlay import core, versions, wheels
+from vllm_overlay.mechanisms import wrap as wrapmech
+from vllm_overlay.mechanisms.install import install
 from vllm_overlay.patches import turboquant_spec_decode as tsd
 
 # ---- the decision ------------------------------------------------------------------------------
@@ -134,7 +136,11 @@ def test_forward_routes_only_marked_batches(monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_plan_here_and_on_cuda_0_20_2() -> None:
     here = {d.spec.id: d for d in core.decide(environ={})}["turboquant-spec-decode"]
-    assert here.status == "skipped" and "==0.20.2" in here.reason, here
+    # the CPU build: TurboQuant is CUDA-only, so nothing to do and no per-process warning
+    assert here.status == "not-needed" and "platform cpu" in here.reason, here
+    later = {d.spec.id: d for d in core.decide(environ={}, vllm=versions.Installed("vllm", "0.22.0", "cuda"))}
+    assert later["turboquant-spec-decode"].status == "skipped", later["turboquant-spec-decode"]
+    assert "not checked on this release" in later["turboquant-spec-decode"].reason
     cuda = {d.spec.id: d for d in core.decide(environ={}, vllm=versions.Installed("vllm", "0.20.2", "cuda"))}
     assert cuda["turboquant-spec-decode"].status == "planned", cuda["turboquant-spec-decode"]
     assert cuda["hybrid-turboquant"].status == "planned"
@@ -186,7 +192,8 @@ def test_install_and_revert_on_the_installed_backend_classes() -> None:
 
     mod = importlib.import_module(tsd.MODULE)
     before = (vars(mod.TurboQuantMetadataBuilder)["build"], vars(mod.TurboQuantAttentionImpl)["forward"])
-    installed = tsd.install(tsd.MODULE, mod)
+    with wrapmech.installing(tsd.SPEC.id):  # as core runs it
+        installed = install(tsd.SPEC, tsd, tsd.MODULE, "0.20.2")  # the targets of 0.20.2, from the spec
     try:
         assert [i.where for i in installed] == [f"{tsd.MODULE}:{tsd.BUILD}", f"{tsd.MODULE}:{tsd.FORWARD}"]
         assert vars(mod.TurboQuantMetadataBuilder)["build"].__wrapped__ is before[0]

@@ -28,12 +28,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from types import ModuleType
 from typing import Any
 
-from vllm_overlay.mechanisms.wrap import Installed, wrap
 from vllm_overlay.report import LOG, STATE
-from vllm_overlay.spec import PatchSpec, Target
+from vllm_overlay.spec import PatchSpec, Proof, Support, Target
 
 MODULE = "vllm.v1.attention.backends.turboquant_attn"
 BUILD = "TurboQuantMetadataBuilder.build"
@@ -46,15 +44,41 @@ MARK = "vllm_overlay_verify_q_len"  # attribute set on TurboQuantMetadata
 SPLIT_TARGET_PROGRAMS = 512
 MAX_KV_SPLITS = 128
 
+TQ_ATTN = "v1/attention/backends/turboquant_attn.py"
+_FORWARD_ARGS = ("layer", "query", "key", "value", "kv_cache", "attn_metadata", "output",
+                 "output_scale", "output_block_scale")
+
 SPEC = PatchSpec(
     id="turboquant-spec-decode",
     title="Speculative-decoding verify batches as decode on a TurboQuant KV cache (vLLM 0.20.x)",
     why=" ".join(" ".join(__doc__.split("\n\n")[1:3]).split()),
     upstream=("https://github.com/vllm-project/vllm/blob/v0.20.2/"
               "vllm/v1/attention/backends/turboquant_attn.py"),
-    targets=(Target(MODULE, BUILD), Target(MODULE, FORWARD)),
+    targets=(
+        Target(MODULE, BUILD, wrapper="_build", params=("common_attn_metadata",)),
+        Target(MODULE, FORWARD, wrapper="_forward",
+               params=("layer", "query", "kv_cache", "attn_metadata", "output")),
+    ),
     mechanism="wrap",
-    vllm="==0.20.2",
+    support=(
+        Support(">=0.20.0,<=0.20.2", "applies",
+                "the TurboQuant backend (same source in 0.20.0-0.20.2) runs verify batches as prefills "
+                "and its prefill loop copies query_start_loc to the host inside CUDA graph capture; "
+                "the overlay's kernel reads the slot layout of this release's store kernel (checked "
+                "against 0.20.2's, byte for byte, under Triton's interpreter)",
+                (Proof(TQ_ATTN, "supports_spec_as_decode=False"),
+                 Proof(TQ_ATTN, "qsl = query_start_loc.tolist()"),
+                 Proof(TQ_ATTN, "query_start_loc_cpu", present=False),
+                 Proof(TQ_ATTN, "def _ensure_on_device"),
+                 Proof("v1/attention/ops/triton_turboquant_decode.py", "def _use_fp8_e4b15("))),
+        Support(">=0.22.0,<=0.33.0", "unsupported",
+                "not checked on this release: its TurboQuant backend changed (the prefill loop reads "
+                "query_start_loc_cpu, so 0.20.x's capture error is gone, but verify batches still run "
+                "as prefills: supports_spec_as_decode=False); the wrappers and the kernel's slot "
+                "layout were checked against 0.20.2 only",
+                (Proof(TQ_ATTN, "qsl = attn_metadata.query_start_loc_cpu.tolist()"),
+                 Proof(TQ_ATTN, "supports_spec_as_decode=False"))),
+    ),
     default=True,
     retire_when=("vLLM's TurboQuant backend runs verify batches as decode under full CUDA graphs "
                  "(supports_spec_as_decode=True with a multi-query kernel); 0.33.0 does not yet."),
@@ -62,10 +86,6 @@ SPEC = PatchSpec(
 )
 
 _FIRST = threading.Event()
-
-
-def MODULES(version: str) -> list[str]:  # noqa: N802 - part of the patch interface
-    return [MODULE]
 
 
 # ---- the dispatch decision (pure) ---------------------------------------------------------------
@@ -140,10 +160,6 @@ def _build(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str,
     return meta
 
 
-_FORWARD_ARGS = ("layer", "query", "key", "value", "kv_cache", "attn_metadata", "output",
-                 "output_scale", "output_block_scale")
-
-
 def _forward(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     bound = dict(zip(_FORWARD_ARGS, args))
     bound.update(kwargs)
@@ -194,6 +210,3 @@ def verify_forward(impl: Any, bound: dict[str, Any], meta: Any, q_len: int) -> A
         STATE.event(msg)
     return output
 
-
-def install(module_name: str, module: ModuleType) -> list[Installed]:
-    return [wrap(MODULE, BUILD, _build), wrap(MODULE, FORWARD, _forward)]

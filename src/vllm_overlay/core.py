@@ -2,7 +2,9 @@
 
 Decisions enforced by default: the VLLM_OVERLAY / _ENABLE / _DISABLE switches, the vLLM
 version range, the platform, requires / conflicts. An enabled patch that cannot apply is
-skipped with one WARNING (or stops start-up under VLLM_OVERLAY_STRICT=1).
+skipped with one WARNING (or stops start-up under VLLM_OVERLAY_STRICT=1). A patch whose
+``platforms`` exclude the installed one (e.g. a TurboQuant patch on the CPU build) is not-needed
+there: recorded with its reason, no warning.
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 
 Decisions enforced by default: the VLLM_OVERLAY / _ENABLE / _DISABLE switches, the vLLM
 version range, the platform, requires / conflicts. An enabled patch that cannot apply is
-skipped with one WARNING (or stops start-up under VLLM_OVERLAY_STRICT=1).
+skipped with one WARNING (or stops start-up under VLLM_OVERLAY_STRICT=1). A patch whose
+``platforms`` exclude the installed one (e.g. a TurboQuant patch on the CPU build) is not-needed
+there: recorded with its reason, no warning.
 """
 
 from __future__ import annotations
@@ -125,19 +127,20 @@ def decide(
             out[spec.id] = Decision(spec, "skipped", "vLLM is not installed in this environment")
         elif inst.version not in versions.RELEASES:
             out[spec.id] = Decision(spec, "skipped", unknown_release(inst.version))
-        elif (row := spec.support_for(inst.version)) is None or row.status == "unsupported":
+        elif (row := spec.support_for(inst.version)) is not None and row.status in ("upstream-merged", "not-needed"):
+            out[spec.id] = Decision(spec, row.status, f"vLLM {inst.version}: {row.reason}")
+        elif inst.platform not in spec.platforms:
+            # what it patches exists only there (e.g. TurboQuant on CUDA): nothing to do, no warning
+            out[spec.id] = Decision(
+                spec, "not-needed", f"platform {inst.platform}: the patch concerns {', '.join(spec.platforms)} only"
+            )
+        elif row is None or row.status == "unsupported":
             why_not = row.reason if row else "no support row covers it"
             out[spec.id] = Decision(spec, "skipped", f"unsupported on vLLM {inst.version}: {why_not}")
-        elif row.status in ("upstream-merged", "not-needed"):
-            out[spec.id] = Decision(spec, row.status, f"vLLM {inst.version}: {row.reason}")
         elif not spec.modules(inst.version):
             out[spec.id] = Decision(
                 spec, "skipped", f"the support matrix says it applies on vLLM {inst.version}, but the "
                 "spec records no target or rewrite for it (a data error: run `vllm-overlay verify`)"
-            )
-        elif inst.platform not in spec.platforms:
-            out[spec.id] = Decision(
-                spec, "skipped", f"platform {inst.platform} not in {', '.join(spec.platforms)}"
             )
         else:
             out[spec.id] = Decision(spec, "planned", why)

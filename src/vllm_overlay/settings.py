@@ -150,6 +150,12 @@ SETTINGS: tuple[Setting, ...] = (
         "full-attention layers (a loud line says so).",
     ),
     Setting(
+        "VLLM_OVERLAY_MOE_CONFIG_DIR", _path, None, "a directory path",
+        "moe-configs: the folder of fused-MoE configs tuned on this machine (`vllm-overlay tune-moe` "
+        "writes there; the patch reads there when vLLM ships no config for the exact device). Default: "
+        "vllm-overlay/moe-configs under $XDG_CACHE_HOME (or ~/.cache).",
+    ),
+    Setting(
         "VLLM_OVERLAY_TEST_BUFFER_ROWS", _int_range(1, TOKEN_MAX), None,
         f"an integer in [1, {TOKEN_MAX}]",
         "TEST ONLY. Forces the GDN buffer to this many rows, bypassing the resolver and its floor, "

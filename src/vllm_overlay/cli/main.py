@@ -1,4 +1,4 @@
-"""`vllm-overlay` entry point: plan, verify, doctor, report, stress, demo."""
+"""`vllm-overlay` entry point: plan, verify, doctor, report, stress, demo, tune-moe."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ from vllm_overlay.errors import OverlayError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from vllm_overlay.cli import demo, doctor, plan, report, stress, verify
+    from vllm_overlay.cli import demo, doctor, plan, report, stress, tune_moe, verify
 
     parser = argparse.ArgumentParser(
         prog="vllm-overlay",
         description="Declared, reversible in-memory patches for vLLM hybrid (GDN) models.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for mod in (plan, verify, doctor, report, stress, demo):
+    for mod in (plan, verify, doctor, report, stress, demo, tune_moe):
         mod.add_parser(sub)
     return parser
 

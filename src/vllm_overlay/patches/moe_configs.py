@@ -37,7 +37,7 @@ CONFIG_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "
 SPEC = PatchSpec(
     id=PATCH_ID,
     title="Tuned fused-MoE configs for the hybrid MoE shapes, for the exact device only",
-    why=" ".join(__doc__.split("\n\n")[1:3]).replace("\n", " "),
+    why=" ".join(__doc__.split("\n\n")[1:3]).replace("\n", " ").strip(),
     upstream="https://github.com/vllm-project/vllm/blob/v0.20.2/vllm/model_executor/layers/fused_moe/fused_moe.py "
              "(get_moe_configs; configs/ holds no E=256,N=512 bf16 file for the H200)",
     targets=(Target(FUSED_MOE, "get_moe_configs"),),
@@ -57,15 +57,10 @@ def MODULES(version: str) -> list[str]:  # noqa: N802 - part of the patch interf
 # ---- where configs live -----------------------------------------------------------------------
 
 
-def default_user_dir(environ: dict[str, str] | None = None) -> str:
-    env = os.environ if environ is None else environ
-    cache = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache, "vllm-overlay", "moe-configs")
-
-
 def user_dir() -> str:
-    """The folder `tune-moe` writes and this patch reads (VLLM_OVERLAY_MOE_CONFIG_DIR or the default)."""
-    return settings.value("VLLM_OVERLAY_MOE_CONFIG_DIR") or default_user_dir()
+    """The folder `tune-moe` writes and this patch reads (VLLM_OVERLAY_MOE_CONFIG_DIR, default
+    vllm-overlay/moe-configs under $XDG_CACHE_HOME or ~/.cache)."""
+    return str(settings.value("VLLM_OVERLAY_MOE_CONFIG_DIR"))
 
 
 def shipped_files() -> list[str]:

@@ -8,6 +8,7 @@ GEMM, activation, down GEMM) on ``batch`` tokens.
 
 from __future__ import annotations
 
+import importlib
 import os
 from typing import Any
 
@@ -113,7 +114,7 @@ def backend(iters: int = 5, seed: int = 0):  # type: ignore[no-untyped-def]
     import torch
     import triton
     import vllm
-    from vllm.model_executor.layers.fused_moe import fused_moe as fm
+    fm = importlib.import_module("vllm.model_executor.layers.fused_moe.fused_moe")  # the module, not a name
 
     from vllm_overlay.tune.run import Backend
 

@@ -180,3 +180,16 @@ def test_user_dir_default(monkeypatch: pytest.MonkeyPatch) -> None:
     assert patch.user_dir() == "/c/vllm-overlay/moe-configs"
     monkeypatch.setenv("VLLM_OVERLAY_MOE_CONFIG_DIR", "/t/m")
     assert patch.user_dir() == "/t/m"
+
+
+def test_a_failing_lookup_never_breaks_vllm(applied: str, monkeypatch: pytest.MonkeyPatch,
+                                            caplog: pytest.LogCaptureFixture) -> None:
+    def broken(device_id: int = 0) -> str:
+        raise RuntimeError("no device")
+
+    # vLLM's own lookup raises the same error: the patch adds no new failure and logs one line
+    monkeypatch.setattr(fm, "get_device_name_as_file_name", broken)
+    with caplog.at_level("WARNING", logger="vllm_overlay"), pytest.raises(RuntimeError, match="no device"):
+        fm.get_moe_configs(256, 512, None, None, None)
+    assert any("lookup failed (RuntimeError: no device); vLLM decides alone" in r.getMessage()
+               for r in caplog.records)

@@ -183,7 +183,15 @@ def _get_moe_configs(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs:
         source, configs, ours = hit
         return configs if ours else wrapped(*args, **kwargs)
     module = sys.modules[FUSED_MOE]
-    key, ours_path, source = decide(module, E, N, dtype, block_n, block_k)
+    try:
+        key, ours_path, source = decide(module, E, N, dtype, block_n, block_k)
+    except Exception as exc:  # noqa: BLE001 - never break vLLM's kernel path: vLLM decides alone
+        LOG.warning("moe-configs: E=%d N=%d dtype=%s: lookup failed (%s: %s); vLLM decides alone",
+                    E, N, dtype_label(dtype), type(exc).__name__, exc)
+        STATE.event(f"moe-configs: E={E},N={N},dtype={dtype_label(dtype)}: lookup failed: {exc}")
+        with _LOCK:
+            _DECIDED[cache_key] = ("vLLM (lookup failed)", None, False)
+        return wrapped(*args, **kwargs)
     device = key.rsplit("device=", 1)[-1]
     configs: dict[int, Any] | None = None
     if ours_path is not None:

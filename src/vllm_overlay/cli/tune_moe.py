@@ -129,6 +129,11 @@ def run(args: argparse.Namespace, backend_factory: Callable[[], Any] | None = No
         if problem:
             print(f"vllm-overlay tune-moe: tune-moe needs a CUDA GPU: {problem}", file=sys.stderr)
             return NO_CUDA
+        old_gpu = cuda.fp8_problem() if any(s.dtype == "fp8_w8a8" for s in opts.shapes) else None
+        if old_gpu:
+            print(f"vllm-overlay tune-moe: bad usage: --dtype {args.dtype!r}: fp8_w8a8 needs compute capability "
+                  f">= 8.9 and {old_gpu}; tune bf16 on it", file=sys.stderr)
+            return BAD_USAGE
         iters = int(args.iters)
         backend_factory = lambda: cuda.backend(iters=iters)  # noqa: E731
     os.makedirs(opts.out_dir, exist_ok=True)

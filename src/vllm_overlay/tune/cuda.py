@@ -33,6 +33,16 @@ def cuda_problem() -> str | None:
     return None
 
 
+def fp8_problem() -> str | None:
+    """fp8 weights need compute capability 8.9 or newer (Ada, Hopper, Blackwell)."""
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(0)
+    if (major, minor) < (8, 9):
+        return f"{torch.cuda.get_device_name(0)} is compute capability {major}.{minor}"
+    return None
+
+
 class CudaBench:
     def __init__(self, iters: int = 5, seed: int = 0) -> None:
         import torch

@@ -91,7 +91,9 @@ def test_user_budget_below_mnbt_is_refused_under_strict(scenarios) -> None:  # t
     r = scenarios.run("eager-strict-budget", ["--shape", "short"],
                       {"VLLM_OVERLAY_PREALLOC_TOKEN_BUDGET": "4096", "VLLM_OVERLAY_STRICT": "1"})
     assert not r["ok"]
-    assert "BudgetError" in r["error"] and "token budget 4096" in r["error"] and "(8192)" in r["error"]
+    assert "BudgetError" in r["error"] and "token budget 4096" in r["error"]
+    # the floor is read from the live model runner (its max_num_tokens), not guessed from the config
+    assert "(8192, the model runner's max_num_tokens)" in r["error"]
 
 
 def test_short_prompt_clamp_and_alias(scenarios) -> None:  # type: ignore[no-untyped-def]
@@ -107,10 +109,13 @@ def test_short_prompt_clamp_and_alias(scenarios) -> None:  # type: ignore[no-unt
     assert w["patches"]["prefill-chunk-clamp"]["status"] == "applied" or any(
         "prefill-chunk-clamp" in e for r2 in r["reports"] for e in r2["events"])
     # a user budget of 4096 (legacy alias) is raised to max_num_batched_tokens with the named warning
+    # and the floor is named as the source of the size it raised
     (buf,) = w["buffers"]
-    assert buf["rows"] == 8192 and buf["source"] == "alias GENESIS_PREALLOC_TOKEN_BUDGET"
+    assert buf["rows"] == 8192 and buf["source"] == "floor: the model runner's max_num_tokens"
+    (b,) = [b for b in w["budgets"] if b["purpose"] == "gdn-output"]
+    assert (b["requested"], b["requested_source"], b["raised"]) == (4096, "alias GENESIS_PREALLOC_TOKEN_BUDGET", True)
     assert ("token budget for gdn-output: 4096 from alias GENESIS_PREALLOC_TOKEN_BUDGET is below the largest "
-            "schedulable forward 8192; raised to 8192") in r["log"]
+            "schedulable forward 8192; raised to 8192 (source: floor: the model runner's max_num_tokens)") in r["log"]
 
 
 def test_turboquant_k8v4_on_the_hybrid_with_the_overlay(scenarios) -> None:  # type: ignore[no-untyped-def]

@@ -16,6 +16,8 @@ import pytest
 
 from vllm_overlay import core
 from vllm_overlay.patches import moe_configs as patch
+from vllm_overlay.mechanisms.install import install
+from vllm_overlay.mechanisms.wrap import installing
 from vllm_overlay.report import STATE
 
 fm = pytest.importorskip("vllm.model_executor.layers.fused_moe.fused_moe")
@@ -49,7 +51,8 @@ def applied(tuned_dir: str) -> Iterator[str]:
     original = fm.get_moe_configs
     STATE.reset()
     patch.reset()
-    installed = patch.install(patch.FUSED_MOE, fm)
+    with installing(patch.PATCH_ID):
+        installed = install(patch.SPEC, patch, patch.FUSED_MOE, "0.32.0")  # as core installs it from SPEC
     yield tuned_dir
     for inst in reversed(installed):
         inst.undo()

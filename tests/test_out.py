@@ -1,10 +1,10 @@
-"""cli/out.py: tables on a wide terminal, plain lines anywhere else; identifiers never broken."""
+"""output.py: tables on a wide terminal, plain lines anywhere else; identifiers never broken."""
 
 from __future__ import annotations
 
 import io
 
-from vllm_overlay.cli.out import Out
+from vllm_overlay.output import Out
 
 LONG_ID = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn:QwenGatedDeltaNetAttention.forward_cuda"
 

@@ -17,8 +17,10 @@ from collections import Counter
 import pytest
 
 from vllm_overlay.cli.main import build_parser, main
-from vllm_overlay.cli.out import Out
+from vllm_overlay.output import Out
 from vllm_overlay.cli import tune_moe
+from vllm_overlay.mechanisms.install import install
+from vllm_overlay.mechanisms.wrap import installing
 from vllm_overlay.tune import run as tunerun
 from vllm_overlay.tune import space
 from vllm_overlay.tune.run import Backend, Options
@@ -207,7 +209,8 @@ def test_the_patch_picks_up_what_tune_moe_wrote(tmp_path, monkeypatch: pytest.Mo
     STATE.reset()
     moe_configs.reset()
     fm.get_moe_configs.cache_clear()
-    installed = moe_configs.install(moe_configs.FUSED_MOE, fm)
+    with installing(moe_configs.PATCH_ID):
+        installed = install(moe_configs.SPEC, moe_configs, moe_configs.FUSED_MOE, "0.32.0")
     try:
         assert fm.get_moe_configs(256, 256, None, 0, 0) == {1: BEST, 64: BEST}
         assert fm.try_get_optimal_moe_config((256, 512, 2048), (256, 2048, 256), 8, None, 50) == BEST

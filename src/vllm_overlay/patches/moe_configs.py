@@ -25,14 +25,16 @@ from types import ModuleType
 from typing import Any
 
 from vllm_overlay import settings
-from vllm_overlay.mechanisms.wrap import Installed, wrap
-from vllm_overlay.report import LOG, STATE
-from vllm_overlay.spec import PatchSpec, Target
+from vllm_overlay.logs import LOG
+from vllm_overlay.report import STATE
+from vllm_overlay.spec import PatchSpec, Proof, Support, Target
 
 FUSED_MOE = "vllm.model_executor.layers.fused_moe.fused_moe"
 PATCH_ID = "moe-configs"
 SHIPPED_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "moe_configs")
 CONFIG_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
+
+FM_PATH = "model_executor/layers/fused_moe/fused_moe.py"
 
 SPEC = PatchSpec(
     id=PATCH_ID,
@@ -40,18 +42,26 @@ SPEC = PatchSpec(
     why=" ".join(__doc__.split("\n\n")[1:3]).replace("\n", " ").strip(),
     upstream="https://github.com/vllm-project/vllm/blob/v0.20.2/vllm/model_executor/layers/fused_moe/fused_moe.py "
              "(get_moe_configs; configs/ holds no E=256,N=512 bf16 file for the H200)",
-    targets=(Target(FUSED_MOE, "get_moe_configs"),),
+    targets=(Target(FUSED_MOE, "get_moe_configs", wrapper="_get_moe_configs",
+                    params=("E", "N", "dtype", "block_n", "block_k")),),
     mechanism="wrap",
-    vllm=">=0.20.2,<=0.32.0",
+    support=(
+        Support(">=0.20.0,<=0.33.0", "applies",
+                "get_moe_configs(E, N, dtype, block_n, block_k) is an lru_cache'd module function that "
+                "try_get_optimal_moe_config calls by its module-global name (so the wrapper, installed "
+                "outside the cache, sees every lookup); vLLM ships no tuned E=256,N=512 bf16 file for the H200 "
+                "in any of these releases (for the H100 only, plus A100 80GB PCIe and H20 in later ones)",
+                (Proof(FM_PATH, "@functools.lru_cache\ndef get_moe_configs(\n    E: int,\n    N: int,\n"
+                                "    dtype: str | None,\n    block_n: int | None = None,\n"
+                                "    block_k: int | None = None,\n) -> dict[int, Any] | None:"),
+                 Proof(FM_PATH, "configs = get_moe_configs(E, N, dtype, block_n, block_k)"),
+                 Proof(FM_PATH, "user_defined_config_folder = envs.VLLM_TUNED_CONFIG_FOLDER"))),
+    ),
     default=True,
     retire_when="vLLM ships tuned configs for E=256,N=512 and N=256 (bf16, fp8) for the cards users serve on, "
                 "or users point VLLM_TUNED_CONFIG_FOLDER at their tuned folder themselves.",
     settings=("VLLM_OVERLAY_MOE_CONFIG_DIR",),
 )
-
-
-def MODULES(version: str) -> list[str]:  # noqa: N802 - part of the patch interface
-    return [FUSED_MOE]
 
 
 # ---- where configs live -----------------------------------------------------------------------
@@ -85,7 +95,7 @@ def shape_key(E: int, N: int, dtype: str | None, block_shape: list[int] | None, 
 
 
 def vllm_paths(module: ModuleType, file_name: str) -> list[str]:
-    """The paths vLLM's own get_moe_configs tries, in its order (same in 0.20.2 and 0.32.0)."""
+    """The paths vLLM's own get_moe_configs tries, in its order (same in 0.20.0 to 0.33.0)."""
     paths = []
     folder = getattr(getattr(module, "envs", None), "VLLM_TUNED_CONFIG_FOLDER", None)
     if folder is not None:
@@ -123,10 +133,30 @@ _LOCK = threading.Lock()
 _DECIDED: dict[tuple[Any, ...], tuple[str, dict[int, Any] | None, bool]] = {}  # args -> (source, ours, ours?)
 
 
+_NOTED_SHIPPED = [False]  # the report names the shipped configs once, at the first lookup
+
+
 def reset() -> None:
     """Forget decided shapes (revert, tests)."""
     with _LOCK:
         _DECIDED.clear()
+        _NOTED_SHIPPED[0] = False
+
+
+def note_shipped() -> None:
+    """Record, once per process, which configs ship with this package (at the first lookup: the
+    patch itself is only the wrapper declared in SPEC)."""
+    with _LOCK:
+        if _NOTED_SHIPPED[0]:
+            return
+        _NOTED_SHIPPED[0] = True
+    shipped = shipped_files()
+    with STATE.lock:
+        STATE.patches.setdefault(PATCH_ID, {})["shipped_configs"] = shipped
+        STATE.dirty = True
+    if not shipped:
+        STATE.event("moe-configs: no tuned configs ship with this vllm-overlay; user-tuned files in "
+                    f"{user_dir()} are used for the exact device they were tuned on")
 
 
 def on_revert() -> None:
@@ -184,6 +214,7 @@ def _get_moe_configs(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs:
         return configs if ours else wrapped(*args, **kwargs)
     module = sys.modules[FUSED_MOE]
     try:
+        note_shipped()
         key, ours_path, source = decide(module, E, N, dtype, block_n, block_k)
     except Exception as exc:  # noqa: BLE001 - never break vLLM's kernel path: vLLM decides alone
         LOG.warning("moe-configs: E=%d N=%d dtype=%s: lookup failed (%s: %s); vLLM decides alone",
@@ -218,13 +249,3 @@ def _get_moe_configs(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs:
     with _LOCK:
         _DECIDED[cache_key] = (source, configs, ours_path is not None)
     return configs if ours_path is not None else wrapped(*args, **kwargs)
-
-
-def install(module_name: str, module: ModuleType) -> list[Installed]:
-    shipped = shipped_files()
-    with STATE.lock:
-        STATE.patches.setdefault(PATCH_ID, {})["shipped_configs"] = shipped
-    if not shipped:
-        STATE.event("moe-configs: no tuned configs ship with this vllm-overlay; user-tuned files in "
-                    f"{user_dir()} are used for the exact device they were tuned on")
-    return [wrap(FUSED_MOE, "get_moe_configs", _get_moe_configs)]

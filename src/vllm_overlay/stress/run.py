@@ -11,8 +11,9 @@ from typing import Any
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from vllm_overlay import settings
-from vllm_overlay.cli.out import Out
-from vllm_overlay.cli.report import load
+from vllm_overlay.budget import BUDGET_SETTINGS
+from vllm_overlay.output import Out
+from vllm_overlay.reports import load
 from vllm_overlay.stress import plan as planmod
 from vllm_overlay.stress.plot import forward_sizes_png
 from vllm_overlay.stress.verdict import BAD_USAGE, SLOW_FACTOR, Outcome, judge, sizes_delta
@@ -39,7 +40,7 @@ def default_band(mnbt: int) -> tuple[int, int]:
     cap = int(settings.value("VLLM_OVERLAY_PROFILE_RUN_CAP"))
     if 0 < cap < mnbt:
         return cap, mnbt
-    for name in ("VLLM_OVERLAY_PREALLOC_TOKEN_BUDGET", "VLLM_OVERLAY_GDN_MAX_BATCHED_TOKENS"):
+    for name in BUDGET_SETTINGS:
         r = settings.resolve(name)
         if r.is_set and int(r.value) < mnbt:
             return int(r.value), mnbt

@@ -7,7 +7,7 @@ from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from vllm_overlay.cli.out import Out
+from vllm_overlay.output import Out
 
 
 class Ticker:

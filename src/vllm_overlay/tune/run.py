@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_overlay.cli.out import Out
+from vllm_overlay.output import Out
 from vllm_overlay.tune import space
 from vllm_overlay.tune.progress import Ticker
 from vllm_overlay.tune.space import Shape

@@ -85,6 +85,12 @@ def default_report_dir() -> str:
     return os.path.join(tempfile.gettempdir(), "vllm-overlay-reports")
 
 
+def default_moe_config_dir(environ: Mapping[str, str] | None = None) -> str:
+    env = os.environ if environ is None else environ
+    cache = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "vllm-overlay", "moe-configs")
+
+
 SETTINGS: tuple[Setting, ...] = (
     Setting(
         "VLLM_OVERLAY", _bool, True, "1 or 0 (also true/false, yes/no, on/off)",
@@ -150,6 +156,12 @@ SETTINGS: tuple[Setting, ...] = (
         "full-attention layers (a loud line says so).",
     ),
     Setting(
+        "VLLM_OVERLAY_MOE_CONFIG_DIR", _path, None, "a directory path",
+        "moe-configs: the folder of fused-MoE configs tuned on this machine (`vllm-overlay tune-moe` "
+        "writes there; the patch reads there when vLLM ships no config for the exact device). Default: "
+        "vllm-overlay/moe-configs under $XDG_CACHE_HOME (or ~/.cache).",
+    ),
+    Setting(
         "VLLM_OVERLAY_TEST_BUFFER_ROWS", _int_range(1, TOKEN_MAX), None,
         f"an integer in [1, {TOKEN_MAX}]",
         "TEST ONLY. Forces the GDN buffer to this many rows, bypassing the resolver and its floor, "
@@ -188,6 +200,8 @@ def resolve(name: str, environ: Mapping[str, str] | None = None) -> Resolved:
         value = setting.default
         if name == "VLLM_OVERLAY_REPORT_DIR" and value is None:
             value = default_report_dir()
+        if name == "VLLM_OVERLAY_MOE_CONFIG_DIR" and value is None:
+            value = default_moe_config_dir(env)
         return Resolved(setting, value, "default", None)
     key, raw, value = found[0]
     for other_key, other_raw, other_value in found[1:]:

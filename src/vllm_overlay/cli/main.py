@@ -1,4 +1,4 @@
-"""`vllm-overlay` entry point: plan, matrix, verify, doctor, report, stress, demo."""
+"""`vllm-overlay` entry point: plan, matrix, verify, doctor, report, stress, demo, tune-moe."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ from vllm_overlay.errors import OverlayError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from vllm_overlay.cli import demo, doctor, matrix, plan, report, stress, verify
+    from vllm_overlay.cli import demo, doctor, matrix, plan, report, stress, tune_moe, verify
 
     parser = argparse.ArgumentParser(
         prog="vllm-overlay",
         description="Declared, reversible in-memory patches for vLLM hybrid (GDN) models.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for mod in (plan, matrix, verify, doctor, report, stress, demo):
+    for mod in (plan, matrix, verify, doctor, report, stress, demo, tune_moe):
         mod.add_parser(sub)
     return parser
 

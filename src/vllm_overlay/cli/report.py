@@ -41,6 +41,8 @@ def print_reports(out: Out, reports: list[dict[str, Any]]) -> None:
         for b in r.get("buffers", []):
             out.line(f"pid {r['pid']}: GDN buffer {b['key']} {b['rows']} rows from {b['source']} "
                      f"({b['bytes'] / 2**20:.1f} MiB, {b['layers']} layers)" + (" freed" if b.get("freed") else ""))
+        for shape, source in sorted(r.get("patches", {}).get("moe-configs", {}).get("moe_configs", {}).items()):
+            out.line(f"pid {r['pid']}: fused-MoE config {shape}: {source}")
         for e in r.get("events", [])[-10:]:
             out.line(f"pid {r['pid']}: {e}")
 

@@ -1,0 +1,168 @@
+"""The tuning loop: per shape and batch size, time vLLM's own choice, then every candidate config,
+keep the fastest, record it and rewrite the config file; stop cleanly at the time limit.
+
+Everything that needs a GPU comes in through ``Backend`` (``cuda.py`` builds the real one from
+vLLM's fused-MoE kernel), so the loop, the resume and the files are tested on a CPU with a fake.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_overlay.output import Out
+from vllm_overlay.tune import space
+from vllm_overlay.tune.progress import Ticker
+from vllm_overlay.tune.space import Shape
+from vllm_overlay.tune.state import TuneState, atomic_write_json
+
+DONE, TIME_LIMIT = 0, 3  # exit codes: every batch size tuned / stopped by --time-limit (rerun resumes)
+
+
+@dataclass
+class Backend:
+    """The GPU side. ``bench(shape, batch, config)`` returns microseconds of one fused-MoE call
+    (both GEMMs) and raises for a config that cannot run; ``vllm_choice(shape, batch)`` is the
+    config vLLM uses today without a tuned file (its shipped file or its default heuristic)."""
+
+    device: str  # as vLLM writes it in config file names
+    bench: Callable[[Shape, int, dict[str, int]], float]
+    vllm_choice: Callable[[Shape, int], dict[str, int]]
+    file_name: Callable[[Shape], str]
+    smem_bytes: int | None = None
+    versions: dict[str, str] = field(default_factory=dict)  # vllm, triton, torch
+    vllm_file: Callable[[Shape], str | None] = lambda shape: None  # vLLM's own file for this shape, if any
+
+
+@dataclass
+class Options:
+    shapes: list[Shape]
+    batch_sizes: list[int]
+    out_dir: str
+    search: str = "quick"
+    time_limit: float | None = None
+    fresh: bool = False
+
+
+@dataclass
+class Row:
+    shape: str
+    batch: int
+    before_us: float
+    after_us: float
+    tried: int
+    resumed: bool
+
+    def speedup(self) -> float:
+        return self.before_us / self.after_us if self.after_us > 0 else math.nan
+
+
+def _bench(backend: Backend, shape: Shape, batch: int, cfg: dict[str, int]) -> float:
+    try:
+        t = float(backend.bench(shape, batch, cfg))
+    except Exception:  # noqa: BLE001 - a config that cannot launch (e.g. out of resources) is skipped
+        return math.inf
+    return t if t > 0 and math.isfinite(t) else math.inf
+
+
+def execute(opts: Options, backend: Backend, out: Out | None = None,
+            clock: Callable[[], float] = time.monotonic) -> dict[str, Any]:
+    out = out or Out()
+    t0 = clock()
+    deadline = t0 + opts.time_limit if opts.time_limit else math.inf
+    plans = []
+    for shape in opts.shapes:
+        name = backend.file_name(shape)
+        meta = {"device": backend.device, "shape": shape.label(), "hidden": shape.hidden, "topk": shape.topk,
+                "search": opts.search, "vllm": backend.versions.get("vllm"), "triton": backend.versions.get("triton")}
+        state_path = os.path.join(opts.out_dir, "tune-state", name.removesuffix(".json") + ".state.json")
+        state, how = TuneState.load_or_new(state_path, meta, opts.fresh)
+        out.line(f"{shape.label()} on {backend.device}: {how}")
+        theirs = backend.vllm_file(shape)
+        if theirs:
+            out.line(f"note: vLLM ships its own {theirs}; the moe-configs patch leaves vLLM's file in charge, so set "
+                     f"VLLM_TUNED_CONFIG_FOLDER={opts.out_dir} to serve with the tuned one", "warning")
+        todo = [b for b in opts.batch_sizes if not state.done(b)]
+        cands = {b: space.candidates(shape, b, opts.search, backend.smem_bytes) for b in todo}
+        plans.append((shape, name, state, todo, cands))
+    total = sum(len(c) + 1 for *_, cands in plans for c in cands.values())
+    out.line(f"{total} kernel timings planned ({opts.search} search) over {len(opts.shapes)} shape(s) x "
+             f"{len(opts.batch_sizes)} batch sizes" + (f"; time limit {opts.time_limit:g} s" if opts.time_limit else ""))
+
+    stopped: str | None = None
+    written: list[str] = []
+    with Ticker(out, total) as tick:
+        for shape, name, state, todo, cands in plans:
+            for batch in todo:
+                if clock() >= deadline:
+                    stopped = f"before {shape.label()} batch {batch}"
+                    break
+                before_cfg = backend.vllm_choice(shape, batch)
+                before = _bench(backend, shape, batch, before_cfg)
+                tick.advance()
+                best_cfg, best = dict(before_cfg), before
+                seen = {space.key(before_cfg)}
+                tried = 1
+                for cfg in cands[batch]:
+                    if clock() >= deadline:
+                        stopped = f"during {shape.label()} batch {batch} (its partial search is not recorded)"
+                        break
+                    tick.advance()
+                    if space.key(cfg) in seen:
+                        continue
+                    seen.add(space.key(cfg))
+                    t = _bench(backend, shape, batch, cfg)
+                    tried += 1
+                    if t < best:
+                        best_cfg, best = cfg, t
+                if stopped:
+                    break
+                if not math.isfinite(best):
+                    tick.note(f"{shape.label()} batch {batch}: no config ran (not even vLLM's own); not recorded")
+                    continue
+                state.record(batch, {"config": best_cfg, "us": round(best, 3),
+                                     "default_us": round(before, 3) if math.isfinite(before) else None,
+                                     "default_config": before_cfg, "tried": tried})
+                path = _write_config(opts, backend, shape, name, state)
+                if path not in written:
+                    written.append(path)
+                gain = f"{before / best:.2f} x" if math.isfinite(before) else "vLLM's own config failed to run"
+                tick.note(f"{shape.label()} batch {batch}: vLLM's config {before:.1f} us -> tuned {best:.1f} us "
+                          f"({gain}; {tried} configs timed)")
+            if stopped:
+                break
+
+    rows = [Row(shape.label(), b, float(rec["default_us"] or math.nan), float(rec["us"]), int(rec["tried"]),
+                b not in todo)
+            for shape, _, state, todo, _ in plans for b, rec in sorted(state.batches.items())]
+    out.table("fused-MoE kernel time per call, vLLM's config (before) vs tuned (after)",
+              ("shape", "batch", "before us", "after us", "speedup", "configs timed"),
+              [[r.shape, str(r.batch), f"{r.before_us:.1f}", f"{r.after_us:.1f}", f"{r.speedup():.2f} x",
+                f"{r.tried}" + (" (earlier run)" if r.resumed else "")] for r in rows], ids=(0,))
+    for shape, name, state, _, _ in plans:
+        path = os.path.join(opts.out_dir, name)
+        done = sum(1 for b in opts.batch_sizes if state.done(b))
+        if os.path.exists(path):
+            rest = "" if done == len(opts.batch_sizes) else "; the others hold vLLM's default for that size"
+            out.line(f"{path}: {done} of {len(opts.batch_sizes)} batch sizes tuned{rest}")
+    from vllm_overlay.patches.moe_configs import user_dir
+
+    if os.path.abspath(opts.out_dir) != os.path.abspath(user_dir()):
+        out.line(f"the moe-configs patch reads {user_dir()}: set VLLM_OVERLAY_MOE_CONFIG_DIR={opts.out_dir} "
+                 "for vLLM to use these files", "warning")
+    if stopped:
+        out.line(f"time limit reached {stopped}; run the same command again to resume", "warning")
+    return {"exit_code": TIME_LIMIT if stopped else DONE, "written": written, "stopped": stopped,
+            "rows": [r.__dict__ for r in rows], "elapsed_s": clock() - t0}
+
+
+def _write_config(opts: Options, backend: Backend, shape: Shape, name: str, state: TuneState) -> str:
+    path = os.path.join(opts.out_dir, name)
+    data = state.vllm_config(opts.batch_sizes, lambda b: backend.vllm_choice(shape, b),
+                             backend.versions.get("triton"))
+    atomic_write_json(path, data)
+    return path

@@ -1,0 +1,54 @@
+"""bench/moe_breakdown_h200.py's aggregation, on a synthetic trace (the real trace needs a CUDA GPU):
+kernel names to families, per-step times, GPU busy as the union of overlapping kernels, the gaps,
+and the loud result when a trace holds no kernels."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+BENCH = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+if BENCH not in sys.path:
+    sys.path.append(BENCH)
+import moe_breakdown_h200 as mb  # noqa: E402 - stdlib only at import time
+
+
+def test_families() -> None:
+    assert mb.family("fused_moe_kernel") == "fused MoE"
+    assert mb.family("moe_align_block_size_kernel") == "fused MoE"
+    assert mb.family("topkGatingSoftmax") == "fused MoE"
+    assert mb.family("fused_recurrent_gated_delta_rule_fwd_kernel") == "GDN (linear attention)"
+    assert mb.family("_causal_conv1d_update_kernel") == "GDN (linear attention)"
+    assert mb.family("flash_fwd_splitkv_kernel") == "full attention"
+    assert mb.family("reshape_and_cache_flash_kernel") == "full attention"
+    assert mb.family("nvjet_tst_128x64_64x4") == "dense GEMMs (projections, shared expert, lm_head)"
+    assert mb.family("void vllm::rms_norm_kernel<c10::BFloat16>") == "norms and small ops"
+    assert mb.family("triton_poi_fused_add_0") == "norms and small ops"
+    assert mb.family("something_new") == "other"
+
+
+def kernel(name: str, ts: float, dur: float) -> dict:  # type: ignore[type-arg]
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}
+
+
+def test_summarize_per_step() -> None:
+    # 2 steps; in each: MoE 300 us, GDN 100 us overlapping it by 50 us, attention 50 us
+    events = []
+    for step, t0 in enumerate((0.0, 1000.0)):
+        events += [kernel("fused_moe_kernel", t0, 300.0), kernel("chunk_gated_delta_rule_fwd", t0 + 250, 100.0),
+                   kernel("flash_fwd_kernel", t0 + 400, 50.0)]
+    events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 0, "dur": 2})
+    r = mb.summarize({"traceEvents": events}, steps=2, wall_s=0.002)  # 1 ms per step
+    assert r["wall_ms_per_step"] == 1.0 and r["kernel_events"] == 6 and r["cuda_graph_launches"] == 1
+    fam = r["families"]
+    assert fam["fused MoE"]["ms_per_step"] == 0.3 and fam["fused MoE"]["share_of_wall"] == 0.3
+    assert fam["GDN (linear attention)"]["ms_per_step"] == 0.1
+    assert r["gpu_busy_ms_per_step"] == 0.4  # 0-350 and 400-450 us
+    assert fam["gaps (wall minus GPU busy)"]["ms_per_step"] == 0.6
+    assert [lv["family"] for lv in r["levers"]][:2] == ["gaps (wall minus GPU busy)", "fused MoE"]
+
+
+def test_no_kernels_is_said() -> None:
+    r = mb.summarize({"traceEvents": [{"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 0}]},
+                     steps=3, wall_s=0.003)
+    assert "families" not in r and "no GPU kernel events" in r["problem"] and "1 cudaGraphLaunch" in r["problem"]

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-from vllm_overlay import settings, versions
+from vllm_overlay import server_id, settings, versions
 from vllm_overlay.errors import OverlayError, PatchConflictError, StrictModeError, UnknownPatchError
 from vllm_overlay.mechanisms import wrap as wrapmech
 from vllm_overlay.report import LOG, STATE, setup_logging
@@ -224,6 +224,7 @@ def register() -> None:
             return
         setup_logging()
         settings.validate_all()
+        server_id.ensure()  # before vLLM starts the engine core: its processes inherit the id
         strict = settings.value("VLLM_OVERLAY_STRICT")
         inst = versions.installed_vllm()
         STATE.vllm_version = inst.version if inst else None

@@ -8,4 +8,5 @@ PATCH_MODULES: tuple[str, ...] = (
     "vllm_overlay.patches.profile_run_cap",
     "vllm_overlay.patches.prefill_chunk_clamp",
     "vllm_overlay.patches.hybrid_turboquant",
+    "vllm_overlay.patches.prometheus_metrics",
 )

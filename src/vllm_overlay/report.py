@@ -132,6 +132,7 @@ class ProcessState:
                 "pid": self.pid,
                 "forked_from": self.forked_from,
                 "host": socket.gethostname(),
+                "server_id": settings.value("VLLM_OVERLAY_SERVER_ID"),
                 "role": self.role(),
                 "tp_rank": self.tp_rank,
                 "argv": sys.argv[:4],

@@ -83,7 +83,7 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, tmp_path, mnbt: int = 2048) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, tmp_path, mnbt: int = 2048, env: dict[str, str] | None = None) -> None:  # type: ignore[no-untyped-def]
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.reports = str(tmp_path / "server-reports")
@@ -93,7 +93,7 @@ class Server:
              "--skip-tokenizer-init", "--max-num-batched-tokens", str(mnbt), "--max-model-len", "8192",
              "--max-num-seqs", "32", "--enforce-eager", "--gpu-memory-utilization", "0.3",
              "--no-enable-prefix-caching"],
-            env=clean_env(VLLM_OVERLAY_REPORT_DIR=self.reports), stdout=self.log, stderr=subprocess.STDOUT,
+            env=clean_env(VLLM_OVERLAY_REPORT_DIR=self.reports, **(env or {})), stdout=self.log, stderr=subprocess.STDOUT,
             start_new_session=True)
 
     def wait_healthy(self, timeout: float = 300) -> None:

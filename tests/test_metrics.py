@@ -111,9 +111,21 @@ def test_hook_adds_the_collector_to_the_registry_vllm_serves(overlay, tmp_path, 
     os.makedirs(tmp_path / "prom")
     multi = router.get_prometheus_registry()
     assert multi is not REGISTRY and "vllm_overlay_processes" in generate_latest(multi).decode()
+    # ... and the handler that answers /metrics builds its own such registry for every request
+    # (prometheus-fastapi-instrumentator's expose())
+    assert "vllm_overlay_processes" in generate_latest(ephemeral()).decode()
     core.revert()
     assert router.get_prometheus_registry is original
     assert "vllm_overlay_" not in generate_latest(REGISTRY).decode()
+    assert "vllm_overlay_" not in generate_latest(ephemeral()).decode()
+
+
+def ephemeral():  # type: ignore[no-untyped-def]
+    from prometheus_client import CollectorRegistry, multiprocess
+
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry)
+    return registry
 
 
 def test_band_edges_must_be_bucket_edges() -> None:

@@ -32,6 +32,7 @@ import json
 import os
 import threading
 import urllib.request
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -107,6 +108,8 @@ def families(reports: list[dict[str, Any]], server: str | None) -> Iterator[Any]
     from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
                                         InfoMetricFamily)
 
+    from prometheus_client.utils import floatToGoString
+
     sizes = merge_sizes(reports)
     total = sum(sizes.values())
     cumulative, acc, ordered = [], 0, sorted(sizes.items())
@@ -115,7 +118,7 @@ def families(reports: list[dict[str, Any]], server: str | None) -> Iterator[Any]
         while i < len(ordered) and ordered[i][0] <= edge:
             acc += ordered[i][1]
             i += 1
-        cumulative.append((str(edge), acc))
+        cumulative.append((floatToGoString(edge), acc))  # "8192.0", as Prometheus 3 stores `le`
     cumulative.append(("+Inf", total))
     hist = HistogramMetricFamily(
         HIST, "Scheduled tokens per real model forward (summed over engines, tensor-parallel rank 0 only).",
@@ -197,26 +200,29 @@ class OverlayCollector:
         yield from out
 
 
-_attached: list[tuple[Any, OverlayCollector]] = []
+_collector: OverlayCollector | None = None
+_attached: weakref.WeakSet[Any] = weakref.WeakSet()  # registries we added it to (some per request)
 _attach_lock = threading.Lock()
 
 
 def attach(registry: Any) -> bool:
-    """Register the collector on ``registry`` once; True when this call registered it."""
+    """Register the one collector of this process on ``registry`` once; True when this call did."""
+    global _collector
     with _attach_lock:
-        if any(reg is registry for reg, _ in _attached):
+        if registry in _attached:
             return False
-        collector = OverlayCollector()
-        registry.register(collector)
-        _attached.append((registry, collector))
+        if _collector is None:
+            _collector = OverlayCollector()
+        registry.register(_collector)
+        _attached.add(registry)
         return True
 
 
 def detach_all() -> None:
     with _attach_lock:
-        for registry, collector in _attached:
+        for registry in list(_attached):
             try:
-                registry.unregister(collector)
+                registry.unregister(_collector)
             except KeyError:
                 pass
         _attached.clear()

@@ -163,7 +163,11 @@ def test_metrics_match_the_reports_in_both_directions(served) -> None:  # type: 
     from test_stress import stress
 
     server, root = served
-    before = metrics.scrape(server.url)
+    import time
+
+    deadline = time.time() + 10  # the worker's buffer reaches its report within a flush period
+    while not (before := metrics.scrape(server.url)).buffer_rows and time.time() < deadline:
+        time.sleep(0.5)
     assert before.found, "no vllm_overlay_ series on /metrics"
     roles = {p["role"]: p["patches"] for p in before.processes.values()}
     assert roles["api server"]["prometheus-metrics"]["status"] == "applied", roles
@@ -177,8 +181,6 @@ def test_metrics_match_the_reports_in_both_directions(served) -> None:  # type: 
                 "--min-band-forwards", "10", "--out", str(root / "out-reports")])
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:] + server.text()[-3000:]
     by_reports = json.load(open(root / "out-reports" / "stress.json"))
-    import time
-
     time.sleep(2.5)  # one flush period and more
     middle = metrics.scrape(server.url)
     assert by_reports["telemetry"] == "reports"

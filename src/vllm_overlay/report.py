@@ -172,6 +172,7 @@ class ProcessState:
                 f.write(data)
             os.replace(tmp, path)
             self.dirty = False
+            _ensure_flusher()  # later changes (buffers, dummy forwards) reach the file within a second
             return path
         except Exception as exc:  # noqa: BLE001 - a report failure must not kill serving
             LOG.warning("could not write the report: %s", exc)

@@ -139,6 +139,21 @@ def test_band_edges_must_be_bucket_edges() -> None:
         _check_band_edges(1000, 2048, s)
 
 
+def test_read_metrics_bounds_the_largest_forward(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from vllm_overlay.stress import run
+
+    before = metrics.Scrape(buckets={1024: 5, 2048: 5}, max_forward=2009)
+    after = metrics.Scrape(buckets={1024: 8, 2048: 20}, max_forward=2009,
+                           processes={"7": {"role": "worker rank 0", "patches": {}, "counters": {}}})
+    monkeypatch.setattr(run.time, "sleep", lambda s: None)
+    monkeypatch.setattr(run.metrics, "scrape", lambda base: after)
+    procs, sizes, _, largest, exact = run._read_metrics("http://x", before)
+    assert sizes == {1024: 3, 2048: 15} and (largest, exact) == (2009, False)
+    assert procs[0]["_path"] == "http://x/metrics (pid 7)"
+    after.max_forward = 2040  # grew during the run: exact
+    assert run._read_metrics("http://x", before)[3:] == (2040, True)
+
+
 # ---- one real API server ----------------------------------------------------------------------
 
 
@@ -202,6 +217,7 @@ def test_metrics_match_the_reports_in_both_directions(served) -> None:  # type: 
     assert by_metrics["forwards"] == sum(delta.values())
     assert by_metrics["limits"]["max_num_batched_tokens"] == 2048 and by_metrics["gdn_buffer_rows"] == 2048
     assert by_metrics["guard_trips"] == 0 and by_metrics["worker_roles"]
+    assert 1024 < by_metrics["max_forward"] <= 2048
 
     # vLLM's own series are still served next to ours
     import urllib.request

@@ -168,15 +168,15 @@ def _execute(opts: Options, console: Console) -> dict[str, Any]:
         budgets = [b["rows"] for r in reports for b in r.get("buffers", [])]
         result = judge(lo, hi, opts.min_band_forwards, sizes, outcome, reports)
     else:
-        reports, sizes, budgets, max_forward = _read_metrics(base, first)
+        reports, sizes, budgets, max_forward, exact = _read_metrics(base, first)
         result = judge(lo, hi, opts.min_band_forwards, sizes, outcome, reports)
         # /metrics has buckets, not sizes: `sizes` maps each bucket's upper edge to its forwards.
         # The band count is exact (the band's edges are bucket edges, checked before traffic);
-        # the largest forward is exact when it grew during this run, else a bucket's upper edge.
+        # the largest forward is exact when it grew during this run, else an upper bound (the
+        # smaller of its bucket's upper edge and the largest forward since the server started).
         result["sizes_are_bucket_edges"] = True
-        result["max_forward_exact"] = max_forward is not None
-        if max_forward is not None:
-            result["max_forward"] = max_forward
+        result["max_forward_exact"] = exact
+        result["max_forward"] = max_forward
     cap = int(settings.value("VLLM_OVERLAY_PROFILE_RUN_CAP")) or None
     result.update({
         "mode": "offline" if opts.model else "server",
@@ -241,18 +241,22 @@ def _check_band_edges(lo: int, hi: int, scrape: metrics.Scrape) -> None:
             f"{', '.join(map(str, sorted(near)))} (or pass --report-dir DIR for exact sizes)")
 
 
-def _read_metrics(base: str, before: metrics.Scrape) -> tuple[list[dict[str, Any]], dict[int, int], list[int], int | None]:
-    """(process records, forwards per bucket edge, GDN buffer rows, the largest forward when exact)."""
+def _read_metrics(base: str, before: metrics.Scrape
+                  ) -> tuple[list[dict[str, Any]], dict[int, int], list[int], int | None, bool]:
+    """(process records, forwards per bucket edge, GDN buffer rows, the largest forward of this
+    run, whether that is exact)."""
     time.sleep(2.5)  # the serving processes flush their reports every second
     try:
         after = metrics.scrape(base)
     except OSError:
-        return [], {}, [], None  # the server is gone: the outcome already says why
+        return [], {}, [], None, False  # the server is gone: the outcome already says why
     procs = []
     for pid, proc in after.processes.items():
         procs.append({**proc, "_path": f"{base}/metrics (pid {pid})"})
-    grew = after.max_forward if after.max_forward > before.max_forward else None
-    return procs, after.sizes_since(before), after.buffer_rows, grew
+    sizes = after.sizes_since(before)
+    if after.max_forward > before.max_forward:
+        return procs, sizes, after.buffer_rows, after.max_forward, True
+    return procs, sizes, after.buffer_rows, min(max(sizes), after.max_forward) if sizes else None, False
 
 
 def _read_reports(report_dir: str, since: float | None) -> list[dict[str, Any]]:

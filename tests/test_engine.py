@@ -42,7 +42,7 @@ def test_overlay_applies_in_the_worker_and_sees_the_band(overlay) -> None:  # ty
     assert buf["layers"] == 3  # the tiny model's three GDN layers share it
     assert w["engine_config"]["max_num_batched_tokens"] == 8192
     # a summary line names pid and role (engine core in-process here: VLLM_ENABLE_V1_MULTIPROCESSING=0)
-    assert f"pid {w['pid']} role worker rank 0: 3 applied" in overlay["log"]
+    assert f"pid {w['pid']} role worker rank 0: 4 applied" in overlay["log"]
     assert all(r["load_apply_s"] < 1.0 for r in overlay["reports"])
 
 

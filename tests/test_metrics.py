@@ -86,7 +86,7 @@ ROUTER = "vllm.entrypoints.serve.instrumentator.metrics"
 def overlay(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
     monkeypatch.setenv("VLLM_OVERLAY_REPORT_DIR", str(tmp_path / "reports"))
     monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
-    importlib.import_module(ROUTER)  # imported first: the hook fires inside register()
+    importlib.import_module(ROUTER)  # the module whose get_prometheus_registry() /metrics serves
     core.revert()
     STATE.reset()
     yield
@@ -115,7 +115,7 @@ def test_hook_adds_the_collector_to_the_registry_vllm_serves(overlay, tmp_path, 
     # (prometheus-fastapi-instrumentator's expose())
     assert "vllm_overlay_processes" in generate_latest(ephemeral()).decode()
     core.revert()
-    assert router.get_prometheus_registry is original
+    assert router.get_prometheus_registry is original  # vLLM's function itself is never replaced
     assert "vllm_overlay_" not in generate_latest(REGISTRY).decode()
     assert "vllm_overlay_" not in generate_latest(ephemeral()).decode()
 

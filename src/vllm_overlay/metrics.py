@@ -6,7 +6,10 @@ families. The engine core and the workers flush their reports every second while
 changed, so the series trail the processes by about a second; there is no second HTTP server,
 and nothing depends on prometheus_client's multiprocess files: every API server process of a
 multi-process server (api-server-count > 1, PROMETHEUS_MULTIPROC_DIR set) computes the same
-values from the same files.
+values from the same files. In that mode /metrics is answered from a registry built for each
+request around prometheus_client's MultiProcessCollector (prometheus-fastapi-instrumentator's
+handler), so the collector is added wherever a MultiProcessCollector is created, and to the
+default registry that a single API server serves (patch prometheus-metrics).
 
 Series (all prefixed ``vllm_overlay_``):
 

@@ -163,7 +163,8 @@ def families(reports: list[dict[str, Any]], server: str | None) -> Iterator[Any]
         if rep.get("vllm_version"):
             config.setdefault("vllm_version", str(rep["vllm_version"]))
     yield from (checks, trips, rows, size, info)
-    cfg = InfoMetricFamily(PREFIX + "engine_config", "The live engine limits the workers saw, and the server id.",
+    cfg = InfoMetricFamily(PREFIX + "engine_config",
+                           "The live engine limits the workers saw, and the server id.",
                            labels=["server_id"])
     cfg.add_metric([server or ""], config)
     yield cfg
@@ -197,7 +198,8 @@ class OverlayCollector:
             out = list(families(reports, server))
         except Exception as exc:  # noqa: BLE001 - never break vLLM's own /metrics
             if not self._warned:
-                LOG.warning("the /metrics collector could not read the reports: %s: %s", type(exc).__name__, exc)
+                LOG.warning("the /metrics collector could not read the reports: %s: %s",
+                            type(exc).__name__, exc)
                 self._warned = True
             return
         yield from out

@@ -194,7 +194,7 @@ def main() -> None:
     if args.cap:
         env["VLLM_OVERLAY_PROFILE_RUN_CAP"] = str(args.cap)
     if args.tp > 1:
-        env["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast off on the lent multi-GPU machines
+        env["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast off, as on the two-H200 host of the recorded TP 2 runs
     fwd = ["--model", args.model, "--config", args.config, "--mnbt", str(args.mnbt), "--reps", str(args.reps),
            "--mem", str(args.mem), "--tp", str(args.tp), "--soak-seconds", str(args.soak_seconds), "--soak-waves", str(args.soak_waves),
            "--kv-cache-dtype", args.kv_cache_dtype, "--cap", str(args.cap), "--workloads", args.workloads]

@@ -1,8 +1,8 @@
 """Shared pieces of the GPU bench scripts: model folders, the bug report's traffic, report reading.
 
-Runs on a CUDA machine with vLLM 0.20.2 and this package installed (see ../../shared/gpu/ for the
-lent H200). Every configuration is its own process: the overlay reads its settings once per
-vLLM process.
+Runs on a CUDA machine with vLLM 0.20.2 and this package installed (the recorded results: NVIDIA
+H200, torch 2.11.0+cu130). Every configuration is its own process: the overlay reads its settings
+once per vLLM process.
 """
 
 from __future__ import annotations

@@ -123,7 +123,7 @@ def bench_rows(benches: list[dict]) -> list[str]:  # type: ignore[type-arg]
     out += ["", "load+apply: the worst process of the run, register() plus the patches applied when vLLM later "
             "imported their modules; * marks results that predate recording the later part (register() alone)."]
     if conditions:
-        out += ["", "Boot times depend on what the machine had cached: the first boot of a lease compiles and "
+        out += ["", "Boot times depend on what the machine had cached: the first boot on a fresh machine compiles and "
                 "autotunes; a later boot of the same configuration reuses vLLM's compile cache and (with "
                 "TRITON_CACHE_AUTOTUNING=1) Triton's autotune results for the shapes already tuned. Compare "
                 "boot times only between runs with the same conditions:", "", *conditions]
@@ -151,12 +151,12 @@ def boot_parts(r: dict) -> tuple[str, str]:  # type: ignore[type-arg]
 
 
 def overlay_vs_stock(benches: list[dict]) -> list[str]:  # type: ignore[type-arg]
-    """Issue 5's comparison: same script, same machine kind, one boot per configuration."""
+    """Overlay against stock vLLM: same script, same kind of machine, one boot per configuration."""
     runs = [r for r in benches if r.get("workloads") and r.get("kv_cache_dtype", "auto") == "auto"
             and not r.get("profile_run_cap")]
     out = []
     for ov in [r for r in runs if r["config"] == "overlay"]:
-        # the stock run of the same script call: its file name differs only in the configuration
+        # the stock run with the same settings: its file name differs only in the configuration
         twin = os.path.basename(ov["_file"]).replace("-overlay-", "-stock-")
         st = next((r for r in runs if r["config"] == "stock" and os.path.basename(r["_file"]) == twin), None)
         if not st:
@@ -202,7 +202,7 @@ def overlay_vs_stock(benches: list[dict]) -> list[str]:  # type: ignore[type-arg
 
 
 def cross_compare(paths: list[str]) -> list[str]:
-    """Overlay vs stock outputs when the two configurations ran in separate calls of redgreen.py."""
+    """Overlay vs stock outputs when the two configurations ran in separate runs of redgreen.py."""
     by_model: dict[str, dict[str, tuple[str, dict]]] = {}  # type: ignore[type-arg]
     for p in paths:
         d = json.load(open(p))

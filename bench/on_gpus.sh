@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Run job lists side by side, one list per GPU of this host (jobs of a list run one after another),
-# stop them all at a deadline, and pack what they wrote into one archive (the device tool returns
-# at most 8 files).
+# stop them all at a deadline, and pack what they wrote into one archive (one small file to copy
+# back from the machine).
 #
 #   bench/on_gpus.sh DEADLINE_S RESULTS_DIR ARCHIVE "job; job" ["job; job" ...]
 #
 # List i runs with CUDA_VISIBLE_DEVICES=i (a list naming CUDA_VISIBLE_DEVICES itself, e.g. a TP=2
 # run, overrides it). Every job sees BENCH_NOTE, which bench.py and redgreen.py record, so a
 # figure measured beside another job says so. TRITON_CACHE_AUTOTUNING=1 keeps Triton's autotune
-# results on disk: the first boot of a lease autotunes, later boots on that machine reuse them.
+# results on disk: the first boot on a fresh machine autotunes, later boots on that machine reuse them.
 set -u
 deadline=$1 dir=$2 archive=$3
 shift 3

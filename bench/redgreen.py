@@ -66,7 +66,7 @@ def main() -> None:
     ap.add_argument("--mem", type=float, default=0.5)
     ap.add_argument("--timeout", type=int, default=420,
                     help="per configuration; a cold H200 needs about 4 min per tiny-model boot (Triton autotune)")
-    ap.add_argument("--tag", default="", help="suffix of the result file (runs split over several calls)")
+    ap.add_argument("--tag", default="", help="suffix of the result file (runs split over several invocations)")
     args = ap.parse_args()
     if args.child:
         child(args.child, args.model, args.mem)

@@ -34,7 +34,7 @@ def _isolate_overlay_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def load_reports(directory: str) -> list[dict[str, Any]]:
-    from vllm_overlay.cli.report import load
+    from vllm_overlay.reports import load
 
     return load(directory)
 

@@ -29,12 +29,16 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--kv-cache-dtype", default=None)
     ap.add_argument("--model", default=None, help="model directory (default: the embedded tiny hybrid)")
+    ap.add_argument("--ngram-spec", type=int, default=0, metavar="K",
+                    help="speculative decoding with vLLM's ngram drafter and K speculative tokens")
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (worker processes on the CPU build)")
+    ap.add_argument("--first-mnbt", type=int, default=0,
+                    help="first boot (and release) an engine with this max_num_batched_tokens in this process")
     # prefix caching puts hybrid models in mamba 'align' mode, which cuts prefills at block
     # boundaries; without it the bug report's step is exactly one forward of 7820 tokens
     args = ap.parse_args()
     # the engine core runs in this process, so all prompts are queued before its first step
-    # (as in ../shared/evidence): the bug report's step is then exactly one forward
+    # (as in the bug report's reproduction): the bug report's step is then exactly one forward
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
@@ -46,12 +50,33 @@ def main() -> int:
         kwargs = {}
         if args.kv_cache_dtype:
             kwargs["kv_cache_dtype"] = args.kv_cache_dtype
+        if args.ngram_spec:
+            kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.ngram_spec,
+                                            "prompt_lookup_max": 4, "prompt_lookup_min": 2}
         if args.tp > 1:
             kwargs["tensor_parallel_size"] = args.tp
-        llm = LLM(model=args.model or tiny_hybrid_dir(), load_format="dummy", skip_tokenizer_init=True,
-                  max_num_batched_tokens=args.mnbt, max_model_len=max(8192, args.mnbt),
-                  max_num_seqs=32, gpu_memory_utilization=0.3, enforce_eager=not args.compile,
-                  seed=0, enable_prefix_caching=False, **kwargs)
+
+        def boot(mnbt: int) -> LLM:
+            return LLM(model=args.model or tiny_hybrid_dir(), load_format="dummy", skip_tokenizer_init=True,
+                       max_num_batched_tokens=mnbt, max_model_len=max(8192, mnbt),
+                       max_num_seqs=32, gpu_memory_utilization=0.3, enforce_eager=not args.compile,
+                       seed=0, enable_prefix_caching=False, **kwargs)
+
+        if args.first_mnbt:  # an earlier engine in the same process, released before the next
+            import gc
+            import weakref
+
+            from vllm_overlay.patches import gdn_output_prealloc as gdn
+
+            first = boot(args.first_mnbt)
+            refs = [weakref.ref(b) for b in gdn.buffers()]
+            result["first_rows"] = [int(r().shape[0]) for r in refs]
+            del first
+            gc.collect()
+            result["first_freed"] = [r() is None for r in refs]
+        llm = boot(args.mnbt)
+        if args.first_mnbt:
+            result["second_rows"] = [int(b.shape[0]) for b in gdn.buffers()]
         result["boot_s"] = time.time() - t0
         rng = random.Random(0)
         lens = BUG_SHAPE if args.shape == "bug" else SHORT_SHAPE

@@ -15,8 +15,12 @@ from vllm_overlay import budget
 from vllm_overlay.errors import BudgetError
 
 
+class Cfg(SimpleNamespace):
+    """A stand-in VllmConfig (weak-referenceable, as the real one is)."""
+
+
 def cfg(mnbt: int, seqs: int = 16, spec: int = 0) -> SimpleNamespace:
-    return SimpleNamespace(
+    return Cfg(
         scheduler_config=SimpleNamespace(max_num_batched_tokens=mnbt, max_num_seqs=seqs),
         speculative_config=SimpleNamespace(num_speculative_tokens=spec) if spec else None,
     )
@@ -63,9 +67,27 @@ def test_below_floor_is_raised_with_warning(monkeypatch: pytest.MonkeyPatch, cap
     assert (b.value, b.requested, b.floor, b.raised) == (8192, 4096, 8192, True)
 
 
-def test_speculative_tokens_raise_the_floor() -> None:
+def test_below_floor_names_the_floor_as_source(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_OVERLAY_PREALLOC_TOKEN_BUDGET", "4096")
+    b = budget.resolve("t", vllm_config=cfg(8192))
+    assert b.source == "floor: " + budget.RUNNER_LIMIT_RULE
+    assert b.requested_source == "env VLLM_OVERLAY_PREALLOC_TOKEN_BUDGET"
+
+
+def test_speculative_tokens_do_not_raise_the_floor() -> None:
+    # the scheduler counts verify tokens inside max_num_batched_tokens; the runner's input
+    # buffers hold exactly that many (the engine test reads the runner's own limit)
     b = budget.resolve("t", vllm_config=cfg(8192, seqs=16, spec=3))
-    assert b.floor == 8192 + 16 * 3 and b.value == b.floor and b.raised
+    assert (b.floor, b.value, b.raised) == (8192, 8192, False)
+    assert b.source == "live scheduler_config.max_num_batched_tokens"
+
+
+def test_a_live_runner_limit_is_the_floor() -> None:
+    c = cfg(8192)
+    budget.note_runner_limit(c, 8200)  # a runner that could run more than the scheduler's budget
+    b = budget.resolve("t", vllm_config=c)
+    assert (b.floor, b.value, b.raised) == (8200, 8200, True)
+    assert b.source == "floor: the model runner's max_num_tokens"
 
 
 def test_strict_refuses_to_raise(monkeypatch: pytest.MonkeyPatch) -> None:

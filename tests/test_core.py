@@ -40,7 +40,7 @@ def originals() -> dict[str, object]:
     out = {}
     for spec in core.specs():
         for t in spec.targets:
-            if t.vllm and not versions.matches("0.32.0", t.vllm):
+            if not t.applies_to("0.32.0"):
                 continue
             mod = importlib.import_module(t.module)
             owner = mod
@@ -94,23 +94,41 @@ def test_conflicting_pair(monkeypatch: pytest.MonkeyPatch) -> None:
     assert specs[0].id in str(err.value) and specs[1].id in str(err.value)
 
 
-def test_out_of_range_version_is_a_loud_skip() -> None:
-    old = versions.Installed("vllm", "0.19.0", "cuda")
-    d = by_id(core.decide({}, vllm=old))
-    assert d["forward-telemetry"].status == "skipped"
-    assert d["forward-telemetry"].reason == "requested vllm >=0.20.2,<=0.32.0, found 0.19.0"
-    mid = versions.Installed("vllm", "0.25.0", "cuda")
-    d = by_id(core.decide({}, vllm=mid))
-    assert d["forward-telemetry"].status == "planned"
-    assert d["gdn-output-prealloc"].status == "skipped" and "no recorded source anchors" in d["gdn-output-prealloc"].reason
+@pytest.mark.parametrize("version", ["0.19.0", "0.34.0", "0.32.1"])
+def test_release_not_in_the_matrix_skips_every_patch(version: str) -> None:
+    """Nothing is guessed: a version the support matrix does not list gets no patch at all."""
+    d = by_id(core.decide({}, vllm=versions.Installed("vllm", version, "cuda")))
+    for pid in ("forward-telemetry", "compile-cache-key", "gdn-output-prealloc", "hybrid-turboquant"):
+        assert d[pid].status == "skipped" and d[pid].reason == core.unknown_release(version)
+    assert f"vLLM {version} is not in the support matrix" in core.unknown_release(version)
 
 
-def test_out_of_range_version_strict_aborts(overlay, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.setattr(versions, "installed_vllm", lambda: versions.Installed("vllm", "0.19.0", "cuda"))
+def test_matrix_decides_per_release() -> None:
+    d = by_id(core.decide({}, vllm=versions.Installed("vllm", "0.25.0", "cuda")))
+    assert d["forward-telemetry"].status == "planned" and d["gdn-output-prealloc"].status == "planned"
+    assert d["hybrid-turboquant"].status == "upstream-merged" and "39931" in d["hybrid-turboquant"].reason
+    d = by_id(core.decide({}, vllm=versions.Installed("vllm", "0.20.0", "cuda")))
+    assert d["hybrid-turboquant"].status == "planned"
+
+
+def test_unknown_release_is_one_loud_line(overlay, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(versions, "installed_vllm", lambda: versions.Installed("vllm", "0.34.0", "cuda"))
+    before = originals()
+    caplog.set_level("INFO", logger="vllm_overlay")
+    core.register()
+    err = caplog.text
+    lines = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and r.name.startswith("vllm_overlay")]
+    assert len(lines) == 1 and "vLLM 0.34.0 is not in the support matrix" in lines[0], err
+    assert all(before[k] is v for k, v in originals().items())
+    assert {p["status"] for p in STATE.patches.values()} <= {"skipped", "off"}
+
+
+def test_unknown_release_strict_refuses_to_start(overlay, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(versions, "installed_vllm", lambda: versions.Installed("vllm", "0.34.0", "cuda"))
     monkeypatch.setenv("VLLM_OVERLAY_STRICT", "1")
     with pytest.raises(StrictModeError) as err:
         core.register()
-    assert "found 0.19.0" in str(err.value)
+    assert "vLLM 0.34.0 is not in the support matrix" in str(err.value)
 
 
 def test_apply_then_revert_restores_every_target(overlay) -> None:  # type: ignore[no-untyped-def]
@@ -135,19 +153,15 @@ def test_apply_then_revert_restores_every_target(overlay) -> None:  # type: igno
 
 
 def _drift(monkeypatch: pytest.MonkeyPatch) -> None:
-    bad = tuple(dataclasses.replace(rw, sha256="0" * 64) for rw in gdn.REWRITES)
-    monkeypatch.setattr(gdn, "REWRITES", bad)
+    bad = tuple(dataclasses.replace(rw, sha256="0" * 64) for rw in gdn.SPEC.rewrites)
+    monkeypatch.setattr(gdn, "SPEC", dataclasses.replace(gdn.SPEC, rewrites=bad))
 
 
 def test_drifted_anchor_is_a_loud_skip(overlay, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
     _drift(monkeypatch)
     before = originals()
     with caplog.at_level(logging.WARNING, logger="vllm_overlay"):
-        logging.getLogger("vllm_overlay").propagate = True
-        try:
-            core.register()
-        finally:
-            logging.getLogger("vllm_overlay").propagate = False
+        core.register()
     rec = STATE.patches["gdn-output-prealloc"]
     assert rec["status"] == "failed" and "pristine source hash mismatch" in rec["reason"]
     assert any("gdn-output-prealloc skipped" in r.getMessage() for r in caplog.records)
@@ -182,3 +196,16 @@ def test_import_has_no_side_effects() -> None:
             "print(sorted(m for m in sys.modules if m.startswith('vllm') and not m.startswith('vllm_overlay')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_install_that_installs_nothing_is_not_applied(overlay, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    real = core.installmech.install
+
+    def install(spec, module, module_name, version):  # type: ignore[no-untyped-def]
+        return [] if spec.id == "compile-cache-key" else real(spec, module, module_name, version)
+
+    monkeypatch.setattr(core.installmech, "install", install)
+    core.register()
+    rec = STATE.patches["compile-cache-key"]
+    assert rec["status"] == "failed" and "installed nothing" in rec["reason"]
+    assert "compile-cache-key" not in core.active_ids()

@@ -98,3 +98,26 @@ def test_our_capacity_error_passes_through_unchanged(runner_cls, monkeypatch) ->
         "a dummy forward of 8192 tokens exceeds the GDN output buffer of 4096 rows"))
     with pytest.raises(CapacityError, match="exceeds the GDN output buffer"):
         r.capture_model()
+
+
+def test_eager_runner_says_the_precapture_forward_will_not_run(runner_cls, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    """With enforce_eager (and on the CPU worker) vLLM never calls capture_model: the promised
+    full-size forward cannot run, which is counted every time and said once."""
+    from types import SimpleNamespace
+
+    from vllm_overlay.report import STATE
+
+    monkeypatch.setenv("VLLM_OVERLAY_PROFILE_RUN_CAP", "4096")
+    monkeypatch.setattr(prc, "_no_capture_warned", False)
+    STATE.reset()
+    r = runner_cls()
+    r.model_config = SimpleNamespace(enforce_eager=True)
+    with caplog.at_level("WARNING", logger="vllm_overlay"):
+        r._dummy_run(8192, is_profile=True)
+        r._dummy_run(8192, is_profile=True)
+    assert STATE.counters["precapture_forward_skipped"] == 2
+    lines = [rec.getMessage() for rec in caplog.records if "will NOT run" in rec.getMessage()]
+    assert len(lines) == 1 and "enforce_eager" in lines[0]
+    assert any("will NOT run" in e for e in STATE.events)
+    assert r not in prc._capped
+    STATE.reset()

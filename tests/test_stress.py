@@ -55,6 +55,13 @@ def test_offline_reaches_the_band(tmp_path, lo: int, hi: int) -> None:  # type: 
     assert lo < res["max_forward"] <= hi
     assert res["gdn_buffer_rows"] == hi
     assert "plan: band" in p.stdout and "PASSED" in p.stdout
+    # piped: a progress line per 10 % of the waves, the warm-up named and kept off the clock
+    lines = p.stdout.splitlines()
+    assert any(ln.startswith("warm-up wave done after ") for ln in lines), p.stdout[-3000:]
+    assert f"band waves: {res['plan']['waves']}/{res['plan']['waves']} (" in p.stdout
+    assert res["warmup_s"] > 0 and res["waves_timed"] == res["plan"]["waves"] and res["wave_s_median"] > 0
+    assert "Traceback" not in p.stdout + p.stderr  # a passing run shows no traceback
+    assert os.path.isfile(out / ".gitignore")  # the output folder never shows up in `git status`
     check_png(res["png"])
 
 
@@ -137,6 +144,7 @@ def test_server_mode_passes_and_reads_the_servers_reports(server, tmp_path) -> N
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:] + server.text()[-3000:]
     res = json.load(open(out / "stress.json"))
     assert res["mode"] == "server" and res["band_forwards"] >= 10 and res["requests_failed"] == 0
+    assert res["warmup_s"] > 0 and res["waves_timed"] >= 1
     assert res["limits"]["max_num_batched_tokens"] == 2048  # read from the server's live config
     from vllm_overlay import metrics
 

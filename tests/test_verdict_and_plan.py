@@ -50,3 +50,11 @@ def test_tensor_parallel_ranks_are_counted_once() -> None:
 
     reports = [rep(0, {"7166": 3, "9": 10}), rep(1, {"7166": 3, "9": 10}), rep(None, {"12": 1}), {"role": "driver"}]
     assert merge_sizes(reports) == {7166: 3, 9: 10, 12: 1}
+
+
+def test_slow_waves_are_named() -> None:
+    from vllm_overlay.stress.verdict import slow_waves
+
+    assert slow_waves([1.0, 1.1, 0.9, 5.0, 1.0]) == [{"wave": 4, "s": 5.0, "median_s": 1.0}]
+    assert slow_waves([1.0, 1.1]) == []  # too few waves for a median to mean anything
+    assert slow_waves([]) == []

@@ -18,11 +18,11 @@ def register() -> None:
     _register()
 
 
-def revert() -> None:
-    """Take every patch this process applied off again."""
+def revert() -> list[str]:
+    """Take every patch this process applied off again; returns what could not be taken off."""
     from vllm_overlay.core import revert as _revert
 
-    _revert()
+    return _revert()
 
 
 def flush() -> str | None:

@@ -1,5 +1,5 @@
 """`python -m vllm_overlay COMMAND ...`: the `vllm-overlay` command where its script is not on PATH
-(e.g. a `pip install --target` site, as on the lent H200)."""
+(e.g. a `pip install --target` site)."""
 
 import sys
 

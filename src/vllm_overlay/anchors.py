@@ -3,11 +3,10 @@ the installed vLLM (``verify``), or the files of a downloaded wheel (CI's check 
 
 from __future__ import annotations
 
-import os
-import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from vllm_overlay import sources
 from vllm_overlay.errors import AnchorError
 from vllm_overlay.mechanisms import rewrite
 from vllm_overlay.spec import Rewrite
@@ -48,27 +47,14 @@ def check(version: str, read: Callable[[str], str]) -> list[Check]:
 
 
 def installed_reader() -> Callable[[str], str]:
-    import importlib.util
-
-    spec = importlib.util.find_spec("vllm")
-    if spec is None or not spec.submodule_search_locations:
-        raise AnchorError("vLLM is not installed in this environment")
-    root = list(spec.submodule_search_locations)[0]
-
-    def read(path: str) -> str:
-        with open(os.path.join(root, path), encoding="utf-8") as f:
-            return f.read()
-
-    return read
+    try:
+        return sources.installed_reader()
+    except OSError as exc:
+        raise AnchorError(str(exc)) from None
 
 
 def wheel_reader(wheel: str) -> Callable[[str], str]:
-    zf = zipfile.ZipFile(wheel)
-
-    def read(path: str) -> str:
-        return zf.read(f"vllm/{path}").decode("utf-8")
-
-    return read
+    return sources.wheel_reader(wheel)
 
 
 def hashes(version: str, read: Callable[[str], str]) -> list[tuple[str, str, str]]:

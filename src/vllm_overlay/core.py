@@ -8,6 +8,7 @@ skipped with one WARNING (or stops start-up under VLLM_OVERLAY_STRICT=1).
 from __future__ import annotations
 
 import importlib
+import os
 import threading
 import time
 import traceback
@@ -18,22 +19,44 @@ from typing import Any
 
 from vllm_overlay import server_id, settings, versions
 from vllm_overlay.errors import OverlayError, PatchConflictError, StrictModeError, UnknownPatchError
+from vllm_overlay.mechanisms import install as installmech
 from vllm_overlay.mechanisms import wrap as wrapmech
-from vllm_overlay.report import LOG, STATE, setup_logging
+from vllm_overlay import logs
+from vllm_overlay.logs import LOG
+from vllm_overlay.report import STATE
 from vllm_overlay.spec import PatchSpec
+
+
+def unknown_release(version: str) -> str:
+    """The one reason every patch gives on a vLLM release the support matrix does not cover."""
+    return (
+        f"vLLM {version} is not in the support matrix (checked releases {versions.RELEASES[0]} to "
+        f"{versions.RELEASES[-1]}: hashes, anchors and targets); nothing is guessed: no patch applies "
+        f"(a maintainer adds it with `vllm-overlay verify --version {version} --download --propose`)"
+    )
 
 
 @dataclass(frozen=True)
 class Decision:
     spec: PatchSpec
-    status: str  # "planned" | "off" | "skipped" | "upstream-merged"
+    status: str  # "planned" | "off" | "skipped" | "upstream-merged" | "not-needed"
     reason: str
 
 
 def registry() -> tuple[tuple[PatchSpec, ModuleType], ...]:
     from vllm_overlay.registry import PATCH_MODULES
 
-    return tuple((importlib.import_module(m).SPEC, importlib.import_module(m)) for m in PATCH_MODULES)
+    out = []
+    for name in PATCH_MODULES:
+        mod = importlib.import_module(name)
+        stale = [f for f in ("install", "MODULES") if hasattr(mod, f)]
+        if stale:  # what is installed comes from SPEC alone; a module's own would be silently ignored
+            raise OverlayError(
+                f"{name} defines {', '.join(stale)}: patches declare what they wrap and rewrite in SPEC "
+                "(Target(..., wrapper='_fn'), rewrites); mechanisms/install.py installs it"
+            )
+        out.append((mod.SPEC, mod))
+    return tuple(out)
 
 
 def specs() -> tuple[PatchSpec, ...]:
@@ -100,18 +123,17 @@ def decide(
             out[spec.id] = Decision(spec, "skipped", f"enabled, but {spec.enabled_by} is 0 (nothing to do)")
         elif inst is None:
             out[spec.id] = Decision(spec, "skipped", "vLLM is not installed in this environment")
-        elif versions.matches(inst.version, spec.upstream_merged):
+        elif inst.version not in versions.RELEASES:
+            out[spec.id] = Decision(spec, "skipped", unknown_release(inst.version))
+        elif (row := spec.support_for(inst.version)) is None or row.status == "unsupported":
+            why_not = row.reason if row else "no support row covers it"
+            out[spec.id] = Decision(spec, "skipped", f"unsupported on vLLM {inst.version}: {why_not}")
+        elif row.status in ("upstream-merged", "not-needed"):
+            out[spec.id] = Decision(spec, row.status, f"vLLM {inst.version}: {row.reason}")
+        elif not spec.modules(inst.version):
             out[spec.id] = Decision(
-                spec, "upstream-merged", f"vLLM {inst.version} already does this upstream"
-            )
-        elif not versions.matches(inst.version, spec.vllm):
-            out[spec.id] = Decision(
-                spec, "skipped", f"requested vllm {spec.vllm}, found {inst.version}"
-            )
-        elif spec.rewrites and not any(rw.version == inst.version for rw in spec.rewrites):
-            have = ", ".join(sorted({rw.version for rw in spec.rewrites}))
-            out[spec.id] = Decision(
-                spec, "skipped", f"no recorded source anchors for vLLM {inst.version} (have: {have})"
+                spec, "skipped", f"the support matrix says it applies on vLLM {inst.version}, but the "
+                "spec records no target or rewrite for it (a data error: run `vllm-overlay verify`)"
             )
         elif inst.platform not in spec.platforms:
             out[spec.id] = Decision(
@@ -151,7 +173,15 @@ class Active:
 
 
 _LOCK = threading.RLock()
-_ACTIVE: dict[str, Active] = {}
+_ACTIVE: dict[str, Active] = {}  # kept across fork: the child's memory holds the same patches
+
+
+def _renew_lock_after_fork() -> None:
+    global _LOCK
+    _LOCK = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_renew_lock_after_fork)
 
 
 def active_ids() -> list[str]:
@@ -163,17 +193,32 @@ def traced_code_digest_parts() -> list[str]:
     return sorted(pid for pid, a in _ACTIVE.items() if a.live and a.spec.changes_traced_code)
 
 
-def _fail(active: Active, exc: BaseException, strict: bool) -> None:
-    spec = active.spec
-    msg = f"{type(exc).__name__}: {exc}"
-    STATE.set_patch(spec.id, "failed", reason=msg, traceback=traceback.format_exc(limit=6))
+def _undo_all(active: Active) -> list[str]:
+    """Undo every change of ``active`` (last first); returns one line per change that could not be
+    undone (those stay in ``active.installed`` so a later revert() tries again)."""
+    errors: list[str] = []
+    kept: list[wrapmech.Installed] = []
     for inst in reversed(active.installed):
         try:
             inst.undo()
-        except Exception:  # noqa: BLE001
-            pass
-    active.installed.clear()
+        except Exception as exc:  # noqa: BLE001 - every other change is still undone
+            errors.append(f"{inst.where}: {type(exc).__name__}: {exc}")
+            kept.append(inst)
+    active.installed[:] = list(reversed(kept))
+    return errors
+
+
+def _fail(active: Active, exc: BaseException, strict: bool) -> None:
+    spec = active.spec
+    msg = f"{type(exc).__name__}: {exc}"
     active.live = False
+    undo_errors = _undo_all(active)
+    STATE.set_patch(spec.id, "failed", reason=msg, traceback=traceback.format_exc(limit=6),
+                    undo_errors=undo_errors)
+    for line in undo_errors:
+        text = f"{spec.id}: could not take its change off after the failure: {line}"
+        STATE.event(text)
+        LOG.error("patch %s", text)
     STATE.write()
     if strict:
         raise StrictModeError(
@@ -189,9 +234,14 @@ def _make_hook(active: Active, module_name: str, strict: bool) -> Any:
                 return
             t0 = time.perf_counter()
             try:
-                installed = active.module.install(module_name, module)
+                with wrapmech.installing(active.spec.id):
+                    installed = installmech.install(active.spec, active.module, module_name,
+                                                    STATE.vllm_version or "")
             except Exception as exc:  # noqa: BLE001
                 _fail(active, exc, strict)
+                return
+            if not installed:  # no evidence of anything applied: never report it "applied"
+                _fail(active, RuntimeError(f"install() for module {module_name} installed nothing"), strict)
                 return
             active.installed.extend(installed)
             active.pending.discard(module_name)
@@ -214,6 +264,10 @@ def _make_hook(active: Active, module_name: str, strict: bool) -> Any:
     return hook
 
 
+def on_any(decisions: list[Decision]) -> bool:
+    return any(d.status != "off" for d in decisions)
+
+
 def register() -> None:
     """Apply the registry in this process. Re-entrant and idempotent."""
     t0 = time.perf_counter()
@@ -222,7 +276,7 @@ def register() -> None:
         if STATE.registered:
             LOG.debug("register() called again in pid %d: already applied, nothing to do", STATE.pid)
             return
-        setup_logging()
+        logs.setup()
         settings.validate_all()
         server_id.ensure()  # before vLLM starts the engine core: its processes inherit the id
         strict = settings.value("VLLM_OVERLAY_STRICT")
@@ -232,6 +286,14 @@ def register() -> None:
         decisions = decide(vllm=inst)
         modules = {s.id: m for s, m in registry()}
         STATE.registered = True
+        if inst is not None and inst.version not in versions.RELEASES and on_any(decisions):
+            line = unknown_release(inst.version)
+            for d in decisions:
+                STATE.set_patch(d.spec.id, d.status, reason=d.reason)
+            if strict:
+                raise StrictModeError(f"VLLM_OVERLAY_STRICT=1 refuses to start: {line}")
+            LOG.warning("every patch skipped: %s", line)  # one line, not one per patch
+            decisions = []
         for d in decisions:
             if d.status != "planned":
                 STATE.set_patch(d.spec.id, d.status, reason=d.reason)
@@ -243,7 +305,7 @@ def register() -> None:
                     LOG.warning("patch %s skipped: %s", d.spec.id, d.reason)
                 continue
             module = modules[d.spec.id]
-            active = Active(d.spec, module, pending=set(module.MODULES(inst.version)))
+            active = Active(d.spec, module, pending=set(d.spec.modules(inst.version)))
             _ACTIVE[d.spec.id] = active
             STATE.set_patch(d.spec.id, "armed", reason=d.reason, pending_modules=sorted(active.pending))
             for module_name in sorted(active.pending):
@@ -259,19 +321,36 @@ def register() -> None:
         STATE.log_summary()
 
 
-def revert() -> None:
-    """Take every applied patch off in this process and forget the registration."""
+def revert() -> list[str]:
+    """Take every applied patch off in this process and forget the registration.
+
+    Removes every change it can; a change it cannot undo (someone else replaced the attribute
+    since) is reported (ERROR line, report event, patch status "revert-failed") and returned, one
+    line each. Whatever happens, the process can register() again afterwards.
+    """
+    problems: list[str] = []
     with _LOCK:
-        for pid in reversed(list(_ACTIVE)):
-            active = _ACTIVE[pid]
-            active.live = False
-            for inst in reversed(active.installed):
-                inst.undo()
-            active.installed.clear()
-            if hasattr(active.module, "on_revert"):
-                active.module.on_revert()
-            STATE.set_patch(pid, "reverted")
-        _ACTIVE.clear()
-        if STATE.registered:
-            STATE.write()
-        STATE.registered = False
+        try:
+            for pid in reversed(list(_ACTIVE)):
+                active = _ACTIVE[pid]
+                active.live = False
+                errors = _undo_all(active)
+                if hasattr(active.module, "on_revert"):
+                    try:
+                        active.module.on_revert()
+                    except Exception as exc:  # noqa: BLE001
+                        errors.append(f"on_revert: {type(exc).__name__}: {exc}")
+                if errors:
+                    STATE.set_patch(pid, "revert-failed", reason="; ".join(errors))
+                    for line in errors:
+                        problems.append(f"{pid}: {line}")
+                        STATE.event(f"revert: {pid}: {line}")
+                        LOG.error("revert: patch %s: could not take off: %s", pid, line)
+                elif STATE.patches.get(pid, {}).get("status") != "failed":
+                    STATE.set_patch(pid, "reverted")
+        finally:
+            _ACTIVE.clear()
+            if STATE.registered:
+                STATE.write()
+            STATE.registered = False
+    return problems

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import atexit
 import json
-import logging
 import multiprocessing
 import os
 import socket
@@ -22,23 +21,11 @@ import time
 from typing import Any
 
 from vllm_overlay import settings
+from vllm_overlay.logs import LOG  # noqa: F401 - patches import LOG from here too
 from vllm_overlay.telemetry import Histogram
 
-LOG = logging.getLogger("vllm_overlay")
 SCHEMA = 1
 FLUSH_EVERY_S = 1.0
-
-
-def setup_logging() -> None:
-    if getattr(LOG, "_overlay_configured", False):
-        return
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [vllm-overlay] %(message)s",
-                                           "%m-%d %H:%M:%S"))
-    LOG.addHandler(handler)
-    LOG.setLevel(logging.INFO)
-    LOG.propagate = False
-    LOG._overlay_configured = True  # type: ignore[attr-defined]
 
 
 class ProcessState:
@@ -68,7 +55,7 @@ class ProcessState:
         self.buffers: list[dict[str, Any]] = []
         self.dirty = False
         self.forked_from: int | None = None
-        self.summary_logged = False
+        self.summary_role: str | None = None  # the role the last summary line named
 
     # ---- state changes -------------------------------------------------------------------
     def set_patch(self, patch_id: str, status: str, **fields: Any) -> None:
@@ -89,9 +76,17 @@ class ProcessState:
             self.dirty = True
 
     def record_forward(self, n: int) -> None:
-        self.forwards.record(n)
-        self.dirty = True
+        with self.lock:
+            self.forwards.record(n)
+            self.dirty = True
         _ensure_flusher()
+
+    def record_dummy(self, n: int, is_profile: bool) -> None:
+        with self.lock:
+            self.dummy_forwards.record(n)
+            if is_profile:
+                self.profile_forward_tokens.append(n)
+            self.dirty = True
 
     # ---- identity ------------------------------------------------------------------------
     def role(self) -> str:
@@ -162,30 +157,53 @@ class ProcessState:
         directory = settings.value("VLLM_OVERLAY_REPORT_DIR")
         return os.path.join(directory, f"overlay-{os.getpid()}.json")
 
+    def snapshot(self) -> str:
+        """The report as JSON text, serialised while holding the lock (a consistent snapshot:
+        no dict changes size under the serialiser), with ``dirty`` cleared in the same critical
+        section, so an update made after it marks the state dirty again and is written later."""
+        with self.lock:
+            data = json.dumps(self.to_json(), indent=1, sort_keys=True)
+            self.dirty = False
+            return data
+
     def write(self) -> str | None:
+        data = None
         try:
             path = self.report_path()
+            data = self.snapshot()
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            data = json.dumps(self.to_json(), indent=1, sort_keys=True)
             fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".overlay-", suffix=".tmp")
             with os.fdopen(fd, "w") as f:
                 f.write(data)
             os.replace(tmp, path)
-            self.dirty = False
             _ensure_flusher()  # later changes (buffers, dummy forwards) reach the file within a second
             return path
         except Exception as exc:  # noqa: BLE001 - a report failure must not kill serving
+            if data is not None:
+                self.dirty = True  # not on disk: the flusher tries again
             LOG.warning("could not write the report: %s", exc)
             return None
 
-    def log_summary(self) -> None:
+    def set_identity(self, worker_rank: int | None, tp_rank: int | None) -> None:
+        """Record the worker's ranks once known. A summary line written before them named an
+        earlier role: it is followed by one with the final role, so the log's last word is right."""
+        with self.lock:
+            self.worker_rank, self.tp_rank = worker_rank, tp_rank
+            self.dirty = True
+            relog = self.summary_role is not None and self.summary_role != self.role()
+        if relog:
+            self.log_summary(note=f"role now known (was {self.summary_role})")
+
+    def log_summary(self, note: str = "") -> None:
         c = self.counts()
         path = self.report_path()
+        role = self.role()
+        self.summary_role = role
         LOG.info(
             "pid %d role %s: %d applied, %d armed (module not imported yet), %d skipped, "
-            "%d off, %d upstream-merged, %d failed; report %s",
-            self.pid, self.role(), c["applied"], c["armed"], c["skipped"], c["off"],
-            c["upstream-merged"], c["failed"], path,
+            "%d off, %d upstream-merged, %d failed; report %s%s",
+            self.pid, role, c["applied"], c["armed"], c["skipped"], c["off"],
+            c["upstream-merged"], c["failed"], path, f" ({note})" if note else "",
         )
 
 
@@ -218,16 +236,26 @@ def flush() -> str | None:
 
 
 def _after_fork_in_child() -> None:
-    global _flusher
+    """A forked child gets its own state, locks and flusher. It keeps, as copies, what its memory
+    inherited from the parent (the patches in place, budgets resolved and buffers allocated
+    before the fork), marked with the parent's pid; its counters and telemetry start at zero."""
+    global _flusher, _flusher_lock
+    import copy
+
     parent = STATE.pid
-    patches, version, platform = dict(STATE.patches), STATE.vllm_version, STATE.platform
+    patches, version, platform = copy.deepcopy(STATE.patches), STATE.vllm_version, STATE.platform
+    budgets = copy.deepcopy(STATE.budgets)
     registered = STATE.registered
     STATE.lock = threading.RLock()
     STATE.reset()
     STATE.forked_from = parent
     STATE.patches, STATE.vllm_version, STATE.platform = patches, version, platform
+    STATE.budgets = [{**b, "inherited_from": parent} for b in budgets]
+    # STATE.buffers: the modules that own buffers re-add theirs from their own fork handlers
+    # (registered after this one, since they import this module, so they run after it)
     STATE.registered = registered
     _flusher = None
+    _flusher_lock = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -161,7 +161,7 @@ SETTINGS: tuple[Setting, ...] = (
         "an integer in [0, 64] (0: every full-attention layer uses TurboQuant)",
         "hybrid-turboquant (vLLM 0.20.x): how many of the FIRST and LAST full-attention layers of a "
         "hybrid model keep the model dtype instead of TurboQuant (boundary protection). Default 0, "
-        "as vLLM 0.32 does on hybrids; capped so that both ends together keep at most half of the "
+        "as vLLM does on hybrids from 0.22.0; capped so that both ends together keep at most half of the "
         "full-attention layers (a loud line says so).",
     ),
     Setting(

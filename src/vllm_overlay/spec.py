@@ -1,20 +1,39 @@
-"""PatchSpec: what a patch is, declared as data. The ledger (`vllm-overlay plan`) is generated from it."""
+"""PatchSpec: what a patch is, declared as data. The one source of what a patch wraps and rewrites
+(``mechanisms/install.py`` installs exactly this), of the vLLM releases it applies on (its
+``support`` rows over ``versions.RELEASES``), and of the ledger (`vllm-overlay plan`) and the
+support matrix (`vllm-overlay matrix`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+STATUSES = ("applies", "upstream-merged", "not-needed", "unsupported")
+
 
 @dataclass(frozen=True)
 class Target:
-    """One place a patch changes: ``module`` + ``qualname`` for the vLLM versions in ``vllm``."""
+    """One place a patch changes: ``module`` + ``qualname`` for the vLLM versions in ``vllm``.
+
+    ``wrapper`` names the function of the patch module that wraps it (wrapt signature
+    ``(wrapped, instance, args, kwargs)``); a target without one is changed by a source rewrite
+    recorded in ``PatchSpec.rewrites``. ``params`` are the parameters the wrapper reads by name:
+    the support sweep checks them in every release's source.
+    """
 
     module: str
     qualname: str
-    vllm: str = ""  # PEP 440 specifier; "" = every version the patch supports
+    vllm: str = ""  # PEP 440 specifier; "" = every release the patch applies on
+    wrapper: str | None = None
+    params: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         return f"{self.module}:{self.qualname}"
+
+    def applies_to(self, version: str) -> bool:
+        return not self.vllm or Version(version) in SpecifierSet(self.vllm)
 
 
 @dataclass(frozen=True)
@@ -38,6 +57,44 @@ class Rewrite:
     path: str
     sha256: str
     edits: tuple[Edit, ...]
+    gone: tuple[str, ...] = ()  # text the rewritten function must no longer contain (the sweep checks)
+
+
+def per_release(target: Target, path: str, edits: tuple[Edit, ...], hashes: dict[str, str],
+                gone: tuple[str, ...] = ()) -> tuple[Rewrite, ...]:
+    """One Rewrite per release of ``hashes`` (release -> pristine sha256), all with the same edits.
+    `vllm-overlay verify --wheel X --propose` prints the entry to add for a new release."""
+    return tuple(
+        Rewrite(Target(target.module, target.qualname, f"=={v}"), v, path, sha, edits, gone)
+        for v, sha in hashes.items()
+    )
+
+
+@dataclass(frozen=True)
+class Proof:
+    """Text whose presence (or absence) in vllm/<path> shows why a support row holds."""
+
+    path: str
+    text: str
+    present: bool = True
+
+
+@dataclass(frozen=True)
+class Support:
+    """What the patch does on the releases in ``vllm`` (first matching row wins), and why."""
+
+    vllm: str  # PEP 440 specifier over versions.RELEASES
+    status: str  # one of STATUSES
+    reason: str
+    proof: tuple[Proof, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ValueError(f"Support.status={self.status!r}: expected one of {', '.join(STATUSES)}")
+        SpecifierSet(self.vllm)  # raises on a bad specifier
+
+    def covers(self, version: str) -> bool:
+        return Version(version) in SpecifierSet(self.vllm)
 
 
 @dataclass(frozen=True)
@@ -48,7 +105,7 @@ class PatchSpec:
     upstream: str  # link to the upstream issue / PR / code
     targets: tuple[Target, ...]
     mechanism: str  # "wrap" | "rewrite" | "wrap+rewrite"
-    vllm: str  # PEP 440 specifier of the supported vLLM versions
+    support: tuple[Support, ...]  # per release of versions.RELEASES: applies / upstream-merged / ...
     default: bool  # on unless disabled
     retire_when: str
     requires: tuple[str, ...] = ()
@@ -56,7 +113,6 @@ class PatchSpec:
     settings: tuple[str, ...] = ()  # names of the settings it reads
     platforms: tuple[str, ...] = ("cuda", "cpu")
     enabled_by: str | None = None  # a setting whose non-zero value turns the patch on
-    upstream_merged: str = ""  # vLLM versions where upstream already does this
     changes_traced_code: bool = False  # must change vLLM's compile-cache key
     rewrites: tuple[Rewrite, ...] = field(default=())
 
@@ -67,3 +123,41 @@ class PatchSpec:
             raise ValueError(
                 f"PatchSpec.mechanism={self.mechanism!r}: expected 'wrap', 'rewrite' or 'wrap+rewrite'"
             )
+        rewritten = {(rw.target.module, rw.target.qualname) for rw in self.rewrites}
+        for t in self.targets:
+            if t.wrapper is None and (t.module, t.qualname) not in rewritten:
+                raise ValueError(
+                    f"PatchSpec {self.id!r}: target {t} has no wrapper and no recorded rewrite; "
+                    "name the patch module's wrapper function (Target(..., wrapper='_name'))"
+                )
+
+    def support_for(self, version: str) -> Support | None:
+        """The support row of ``version``; None for a release the matrix does not cover."""
+        from vllm_overlay.versions import RELEASES
+
+        if version not in RELEASES:
+            return None
+        return next((row for row in self.support if row.covers(version)), None)
+
+    def applies_on(self) -> list[str]:
+        from vllm_overlay.versions import RELEASES
+
+        return [v for v in RELEASES if (row := self.support_for(v)) is not None and row.status == "applies"]
+
+    @property
+    def vllm(self) -> str:
+        """The releases it applies on, compactly (for display): '0.20.0-0.20.2, 0.22.0'."""
+        from vllm_overlay.versions import compact
+
+        return compact(self.applies_on()) or "none"
+
+    def wrap_targets(self, version: str) -> tuple[Target, ...]:
+        return tuple(t for t in self.targets if t.wrapper is not None and t.applies_to(version))
+
+    def rewrites_for(self, version: str) -> tuple[Rewrite, ...]:
+        return tuple(rw for rw in self.rewrites if rw.version == version)
+
+    def modules(self, version: str) -> list[str]:
+        """The vLLM modules whose import installs this patch on ``version``."""
+        mods = [t.module for t in self.wrap_targets(version)] + [rw.target.module for rw in self.rewrites_for(version)]
+        return sorted(set(mods))

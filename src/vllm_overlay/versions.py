@@ -32,3 +32,23 @@ def installed_vllm() -> Installed | None:
 
 def matches(version: str, specifier: str) -> bool:
     return bool(specifier) and Version(version) in SpecifierSet(specifier)
+
+
+# The vLLM releases the support matrix covers (`vllm-overlay matrix`): the only versions any patch
+# applies on. A version not listed here is never guessed at: every patch is skipped with one line.
+RELEASES: tuple[str, ...] = (
+    "0.20.0", "0.20.1", "0.20.2", "0.22.0", "0.22.1", "0.23.0", "0.24.0", "0.25.0", "0.25.1",
+    "0.26.0", "0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0",
+)
+
+
+def compact(releases: list[str]) -> str:
+    """'0.20.0-0.20.2, 0.22.0' for consecutive runs of RELEASES."""
+    idx = sorted(RELEASES.index(v) for v in releases)
+    runs: list[list[int]] = []
+    for i in idx:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ", ".join(RELEASES[r[0]] if len(r) == 1 else f"{RELEASES[r[0]]}-{RELEASES[r[-1]]}" for r in runs)

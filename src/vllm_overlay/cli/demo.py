@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import argparse
 
-from rich.console import Console
-
+from vllm_overlay.output import Out
 from vllm_overlay.cli.stress import add_engine_args, engine_args
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("demo", help="tiny hybrid model + band traffic + report (the README's first command)")
     p.add_argument("--model", metavar="DIR", default=None, help="your own model directory instead")
-    p.add_argument("--out", default="demo-out", metavar="DIR")
+    p.add_argument("--out", default="demo-out", metavar="DIR",
+                   help="where stress.json, the PNG and the reports go (default: demo-out, which holds a "
+                        ".gitignore of its own so that git never lists it)")
     p.add_argument("--min-band-forwards", type=int, default=10, metavar="N")
     p.add_argument("--compile", action="store_true",
                    help="on CPU: use vLLM's torch.compile path (slower first boot) instead of eager")
@@ -26,10 +27,10 @@ def run(args: argparse.Namespace) -> int:
     from vllm_overlay.stress.run import Options, execute
     from vllm_overlay.versions import installed_vllm
 
-    console = Console()
+    out = Out()
     inst = installed_vllm()
     if inst is None:
-        console.print("[red]vLLM is not installed[/]: run the README's setup command first")
+        out.line("vLLM is not installed: run the README's setup command first", "error")
         return 2
     eargs = engine_args(args)
     eargs.setdefault("max_num_batched_tokens", 2048)
@@ -43,15 +44,16 @@ def run(args: argparse.Namespace) -> int:
         eargs.setdefault("gpu_memory_utilization", 0.5)
     model = args.model or tiny_hybrid_dir()
     mnbt = int(eargs["max_num_batched_tokens"])
-    console.rule(f"vllm-overlay demo on {inst.distribution} {inst.version} ({inst.platform})")
-    console.print(f"model: {model}")
+    out.heading(f"vllm-overlay demo on {inst.distribution} {inst.version} ({inst.platform})")
+    out.line(f"model: {model}")
     result = execute(Options(model=model, band=(mnbt // 2, mnbt), min_band_forwards=args.min_band_forwards,
-                             out=args.out, engine_args=eargs), console)
+                             out=args.out, engine_args=eargs), out)
     if result.get("report_dir"):
-        console.rule("overlay reports (one per vLLM process)")
-        print_reports(console, load(result["report_dir"]))
-    console.rule(f"verdict: {result['verdict']}")
-    console.print(result.get("why", ""))
+        out.heading("overlay reports (one per vLLM process)")
+        print_reports(out, load(result["report_dir"]))
+    out.heading(f"verdict: {result['verdict']}")
+    out.line(result.get("why", ""))
     if "png" in result:
-        console.print(f"histogram: {result['png']}\nresult:    {result['json']}")
+        out.line(f"histogram: {result['png']}")
+        out.line(f"result: {result['json']}")
     return int(result["exit_code"])

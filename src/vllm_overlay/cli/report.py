@@ -3,15 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import glob
-import json
-import os
 from typing import Any
 
-from rich.console import Console
-from rich.table import Table
-
-from vllm_overlay.errors import OverlayError
+from vllm_overlay.output import Out
+from vllm_overlay.reports import load  # noqa: F401 - re-exported for callers of cli.report.load
 from vllm_overlay.telemetry import bucket_counts, merge_sizes
 
 
@@ -21,67 +16,41 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.set_defaults(func=run)
 
 
-def load(directory: str, since: float | None = None) -> list[dict[str, Any]]:
-    if not os.path.isdir(directory):
-        raise OverlayError(f"report DIR {directory!r}: not a directory")
-    out = []
-    for path in sorted(glob.glob(os.path.join(directory, "overlay-*.json"))):
-        try:
-            with open(path) as f:
-                rep = json.load(f)
-        except (OSError, ValueError):
-            continue  # being replaced right now; the next read sees it
-        if since is not None and rep.get("written", 0) < since:
-            continue
-        rep["_path"] = path
-        out.append(rep)
-    return out
-
-
-def print_reports(console: Console, reports: list[dict[str, Any]]) -> None:
-    procs = Table(title="processes")
-    for col in ("pid", "role", "vLLM", "applied", "armed", "skipped", "off", "failed", "load+apply",
-                "forwards", "min", "max", "guard trips"):
-        procs.add_column(col)
+def print_reports(out: Out, reports: list[dict[str, Any]]) -> None:
+    rows = []
     for r in reports:
         c, fw = r["counts"], r["telemetry"]["forwards"]
-        procs.add_row(str(r["pid"]), r["role"], str(r["vllm_version"]), str(c["applied"]), str(c["armed"]),
-                      str(c["skipped"]), str(c["off"]), str(c["failed"]),
-                      f"{(r.get('load_apply_s') or 0) * 1000:.0f} ms", str(fw["count"]),
-                      str(fw["min"]), str(fw["max"]), str(r["counters"].get("guard_trips", 0)))
-    console.print(procs)
-    patches = Table(title="patches (per process)")
-    for col in ("patch", "status", "processes", "reason"):
-        patches.add_column(col, overflow="fold")
+        rows.append([str(r["pid"]), r["role"], str(r["vllm_version"]), str(c["applied"]), str(c["armed"]),
+                     str(c["skipped"]), str(c["off"]), str(c["failed"]),
+                     f"{(r.get('load_apply_s') or 0) * 1000:.0f} ms", str(fw["count"]),
+                     str(fw["min"]), str(fw["max"]), str(r["counters"].get("guard_trips", 0))])
+    out.table("processes", ("pid", "role", "vLLM", "applied", "armed", "skipped", "off", "failed",
+                            "load+apply", "forwards", "min", "max", "guard trips"), rows, ids=(0, 1))
     seen: dict[tuple[str, str, str], list[str]] = {}
     for r in reports:
         for pid, rec in r["patches"].items():
             seen.setdefault((pid, rec["status"], rec.get("reason", "")), []).append(r["role"])
-    for (pid, status, reason), roles in sorted(seen.items()):
-        patches.add_row(pid, status, ", ".join(sorted(set(roles))), reason)
-    console.print(patches)
+    out.table("patches (per process)", ("patch", "status", "processes", "reason"),
+              [[pid, status, ", ".join(sorted(set(roles))), reason]
+               for (pid, status, reason), roles in sorted(seen.items())], ids=(0, 1))
     sizes = merge_sizes(reports)
     if sizes:
-        hist = Table(title="forwards by scheduled tokens (all workers)")
-        hist.add_column("bucket")
-        hist.add_column("forwards", justify="right")
-        for label, count in bucket_counts(sizes).items():
-            hist.add_row(label, str(count))
-        console.print(hist)
+        out.table("forwards by scheduled tokens (all workers)", ("bucket", "forwards"),
+                  [[label, str(count)] for label, count in bucket_counts(sizes).items()])
     for r in reports:
         for b in r.get("buffers", []):
-            console.print(f"pid {r['pid']}: GDN buffer {b['key']} {b['rows']} rows from {b['source']} "
-                          f"({b['bytes'] / 2**20:.1f} MiB, {b['layers']} layers)")
+            out.line(f"pid {r['pid']}: GDN buffer {b['key']} {b['rows']} rows from {b['source']} "
+                     f"({b['bytes'] / 2**20:.1f} MiB, {b['layers']} layers)" + (" freed" if b.get("freed") else ""))
         for e in r.get("events", [])[-10:]:
-            console.print(f"pid {r['pid']}: {e}")
+            out.line(f"pid {r['pid']}: {e}")
 
 
 def run(args: argparse.Namespace) -> int:
     reports = load(args.dir)
-    console = Console()
+    out = Out()
     if not reports:
-        console.print(f"[red]no overlay-*.json report in {args.dir}[/]: was the overlay installed in the "
-                      "vLLM environment and VLLM_OVERLAY_REPORT_DIR set to this directory?")
+        out.line(f"no overlay-*.json report in {args.dir}: was the overlay installed in the vLLM environment "
+                 "and VLLM_OVERLAY_REPORT_DIR set to this directory?", "error")
         return 1
-    print_reports(console, reports)
+    print_reports(out, reports)
     return 0

@@ -4,15 +4,18 @@ The pristine source of the target function is read from the installed vLLM file 
 ``ast``, so the same bytes are hashed here and in the textual check against a wheel). The
 rewrite applies only if the sha256 of those lines equals the value recorded for this exact vLLM
 version and every anchor occurs exactly once. The new function is compiled against the live
-module globals and rebound; nothing is ever written to disk.
+module globals, with the target module's own ``from __future__`` flags and none of this file's
+(``dont_inherit=True``), and rebound; nothing is ever written to disk. A target that someone
+already wrapped (a ``__wrapped__`` chain, a wrapt proxy, one of our own wrappers) is refused:
+rebinding it would silently drop that wrapper.
 """
 
 from __future__ import annotations
 
+import __future__
 import ast
 import hashlib
 import importlib
-import inspect
 import textwrap
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +64,36 @@ def locate(file_text: str, qualname: str, where: str) -> Located:
     end = node.end_lineno or node.lineno
     first_code = node.decorator_list[0].lineno if node.decorator_list else node.lineno
     return Located("".join(lines[node.lineno - 1 : end]), node.lineno, decorator, first_code)
+
+
+def future_flags(file_text: str) -> int:
+    """Compiler flags of the ``from __future__ import ...`` statements of a module's source."""
+    flags = 0
+    for node in ast.parse(file_text).body:
+        if isinstance(node, ast.ImportFrom) and node.module == "__future__":
+            for alias in node.names:
+                feature = getattr(__future__, alias.name, None)
+                if isinstance(feature, __future__._Feature):
+                    flags |= feature.compiler_flag
+    return flags
+
+
+def _refuse_wrapped(func: Any, where: str) -> None:
+    """Rebinding a wrapped target would drop its wrapper: say whose it is and refuse."""
+    chain = wrapmech.wrapper_chain(func)
+    ours = wrapmech.marks(func)
+    if ours:
+        raise AnchorError(
+            f"{where}: already wrapped by vllm-overlay patch {ours[0]!r}; a rewrite would drop that "
+            "wrapper (rewrites must apply before wraps of the same target); refusing to rewrite"
+        )
+    if len(chain) > 1:
+        outer = chain[0]
+        raise AnchorError(
+            f"{where}: already wrapped by someone else ({type(outer).__module__}.{type(outer).__qualname__} "
+            f"over {len(chain) - 1} level(s), via __wrapped__); a rewrite would drop that wrapper; "
+            "refusing to rewrite"
+        )
 
 
 def sha256(text: str) -> str:
@@ -112,7 +145,7 @@ def apply(rw: Rewrite, tag: str) -> wrapmech.Installed:
     owner, name, original = wrapmech.resolve(rw.target.module, rw.target.qualname)
     descriptor = next((k for k, t in _DESCRIPTORS.items() if isinstance(original, t)), None)
     func = original.__func__ if descriptor else original
-    func = inspect.unwrap(func) if callable(func) else func
+    _refuse_wrapped(func, where)
     code = getattr(func, "__code__", None)
     if code is None:
         raise AnchorError(f"{where}: not a plain function; cannot rewrite")
@@ -137,7 +170,8 @@ def apply(rw: Rewrite, tag: str) -> wrapmech.Installed:
     # keep line numbers close to the file's for tracebacks; the filename stays the real one
     padded = "\n" * (pristine.first_line - 1) + new_source
     namespace: dict[str, Any] = {}
-    exec(compile(padded, file_name, "exec"), module.__dict__, namespace)  # noqa: S102
+    code_obj = compile(padded, file_name, "exec", flags=future_flags(file_text), dont_inherit=True)
+    exec(code_obj, module.__dict__, namespace)  # noqa: S102
     new = namespace[name]
     new.__qualname__ = func.__qualname__
     new.__module__ = func.__module__

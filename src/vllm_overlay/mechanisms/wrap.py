@@ -2,20 +2,82 @@
 
 ``resolve`` walks the class's own ``__dict__`` along the MRO (as wrapt's resolve_path does) so
 the attribute is replaced where it is really defined and restored exactly on revert.
+
+Every wrapper this module makes carries the id of the patch that made it (``MARK`` on the
+wrapper object itself, read without going through the proxy, so an outer wrapper never reports
+an inner one's mark). Several patches may wrap the same method (``GPUModelRunner._dummy_run`` is
+wrapped by three); the same patch wrapping it twice is refused. The mark is ours, so this works
+the same under wrapt 1.x (where ``FunctionWrapper`` is an ``ObjectProxy``) and 2.x (where it is not).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import os
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import wrapt
 
 _HOOK_LOCK = threading.Lock()
+MARK = "_self_overlay_patch"  # wrapt keeps ``_self_`` attributes on the wrapper, not the wrapped
+_installing = threading.local()  # the patch whose install() runs in this thread (set by core)
+
+
+def _renew_after_fork() -> None:
+    global _HOOK_LOCK, _installing
+    _HOOK_LOCK = threading.Lock()
+    _installing = threading.local()
+
+
+os.register_at_fork(after_in_child=_renew_after_fork)
+
+
+@contextlib.contextmanager
+def installing(patch_id: str) -> Iterator[None]:
+    """Wrappers made inside this block carry ``patch_id`` (core runs each install() in one)."""
+    before = getattr(_installing, "patch", None)
+    _installing.patch = patch_id
+    try:
+        yield
+    finally:
+        _installing.patch = before
+
+
+def mark_of(obj: Any) -> str | None:
+    """The patch id this exact object was marked with by ``wrap``, or None (never forwarded to a
+    wrapped object: a wrapt proxy would answer with the wrapped object's attributes)."""
+    try:
+        value = object.__getattribute__(obj, MARK)
+    except (AttributeError, TypeError):
+        return None
+    return value if isinstance(value, str) else None
+
+
+def wrapper_chain(obj: Any, limit: int = 64) -> list[Any]:
+    """``obj`` and every object below it through ``__wrapped__`` (wrapt proxies, functools.wraps)."""
+    chain = [obj]
+    while len(chain) < limit:
+        try:
+            inner = object.__getattribute__(chain[-1], "__wrapped__")
+        except (AttributeError, TypeError, ValueError):
+            try:
+                inner = chain[-1].__wrapped__
+            except Exception:  # noqa: BLE001 - not a wrapper
+                break
+        if inner is None or any(inner is c for c in chain):
+            break
+        chain.append(inner)
+    return chain
+
+
+def marks(obj: Any) -> list[str]:
+    """Patch ids of the overlay wrappers in ``obj``'s wrapper chain, outermost first."""
+    return [m for m in (mark_of(o) for o in wrapper_chain(obj)) if m is not None]
 
 
 @dataclass
@@ -30,15 +92,34 @@ class Installed:
     cached_copies: tuple[str, ...] = ()
 
     def undo(self) -> None:
+        """Restore ``original``. When another vllm-overlay wrapper was put over ours since (three
+        patches wrap ``_dummy_run``), ours is cut out of the chain below it instead, so a failed or
+        reverted patch never leaves its wrapper behind. Anything else changed it: refuse."""
         current = self.owner.__dict__.get(self.name) if isinstance(self.owner, type) else getattr(
             self.owner, self.name, None
         )
-        if current is not self.replacement:
-            raise RuntimeError(
-                f"{self.where} was changed by someone else after vllm-overlay patched it; "
-                "not restoring over their change"
-            )
-        setattr(self.owner, self.name, self.original)
+        if current is self.replacement:
+            setattr(self.owner, self.name, self.original)
+            _LIVE.pop(id(self.replacement), None)
+            return
+        above = current
+        while mark_of(above) is not None:  # walk down our own wrappers only
+            inner = above.__wrapped__
+            if inner is self.replacement:
+                above.__wrapped__ = self.original
+                outer_rec = _LIVE.get(id(above))
+                if outer_rec is not None and outer_rec.replacement is above:
+                    outer_rec.original = self.original
+                _LIVE.pop(id(self.replacement), None)
+                return
+            above = inner
+        raise RuntimeError(
+            f"{self.where} was changed by someone else after vllm-overlay patched it; "
+            "not restoring over their change"
+        )
+
+
+_LIVE: dict[int, Installed] = {}  # id(replacement) -> its record, while the replacement is in place
 
 
 def resolve(module_name: str, qualname: str) -> tuple[Any, str, Any]:
@@ -79,16 +160,27 @@ def cached_copies(original: Any, owner: Any, name: str) -> tuple[str, ...]:
     return tuple(sorted(found))
 
 
-def wrap(module_name: str, qualname: str, wrapper: Callable[..., Any]) -> Installed:
-    """Wrap ``module:qualname`` with ``wrapper(wrapped, instance, args, kwargs)``."""
+def wrap(module_name: str, qualname: str, wrapper: Callable[..., Any], patch: str | None = None) -> Installed:
+    """Wrap ``module:qualname`` with ``wrapper(wrapped, instance, args, kwargs)``, marked with
+    ``patch`` (default: the patch whose install() is running, see ``installing``)."""
+    patch = patch or getattr(_installing, "patch", None)
+    if not patch:
+        raise ValueError(
+            f"wrap({module_name}:{qualname}): patch=None and no patch is installing; pass patch='<id>'"
+        )
     owner, name, original = resolve(module_name, qualname)
-    if isinstance(original, wrapt.ObjectProxy) and getattr(original, "_self_overlay", False):
-        raise RuntimeError(f"{module_name}:{qualname} is already wrapped by vllm-overlay")
+    if patch in marks(original):
+        raise RuntimeError(
+            f"{module_name}:{qualname} is already wrapped by vllm-overlay patch {patch!r}; "
+            "refusing to wrap it twice"
+        )
     replacement = wrapt.FunctionWrapper(original, wrapper)
-    replacement._self_overlay = True
+    setattr(replacement, MARK, patch)
     setattr(owner, name, replacement)
-    return Installed(owner, name, original, replacement, f"{module_name}:{qualname}",
-                     cached_copies(original, owner, name))
+    rec = Installed(owner, name, original, replacement, f"{module_name}:{qualname}",
+                    cached_copies(original, owner, name))
+    _LIVE[id(replacement)] = rec
+    return rec
 
 
 def rebind(module_name: str, qualname: str, new: Any) -> Installed:

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import hashlib
-from types import ModuleType
 from typing import Any
 
 from vllm_overlay import settings
-from vllm_overlay.mechanisms.wrap import Installed, wrap
-from vllm_overlay.spec import PatchSpec, Target
+from vllm_overlay.spec import PatchSpec, Support, Target
 
 MODULE = "vllm.config.vllm"
 QUALNAME = "VllmConfig.compute_hash"
@@ -34,17 +32,17 @@ SPEC = PatchSpec(
         "live the key is exactly stock vLLM's, so an overlay-off run shares stock's cache."
     ),
     upstream="https://github.com/vllm-project/vllm/blob/v0.20.2/vllm/compilation/backends.py",
-    targets=(Target(MODULE, QUALNAME),),
+    targets=(Target(MODULE, QUALNAME, wrapper="_compute_hash"),),
     mechanism="wrap",
-    vllm=">=0.20.2,<=0.32.0",
+    support=(
+        Support(">=0.20.0,<=0.33.0", "applies",
+                "VllmConfig.compute_hash, which the patch folds the traced-code patches into, exists "
+                "in every release"),
+    ),
     default=True,
     retire_when="vLLM offers a hook for plugins to contribute to the compile-cache key.",
     settings=TRACED_SETTINGS,
 )
-
-
-def MODULES(version: str) -> list[str]:  # noqa: N802 - part of the patch interface
-    return [MODULE]
 
 
 def overlay_factor() -> str:
@@ -67,6 +65,3 @@ def _compute_hash(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: di
         return h
     return hashlib.sha256(f"{h}|vllm-overlay:{factor}".encode()).hexdigest()[: len(h)]
 
-
-def install(module_name: str, module: ModuleType) -> list[Installed]:
-    return [wrap(MODULE, QUALNAME, _compute_hash)]

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from types import ModuleType
+import weakref
 from typing import Any
 
-from vllm_overlay.mechanisms.wrap import Installed, wrap
+from vllm_overlay import budget
 from vllm_overlay.patches._runner import RUNNER, RUNNER_MODULE, dummy_tokens, tp_rank, worker_rank
 from vllm_overlay.report import STATE
-from vllm_overlay.spec import PatchSpec, Target
+from vllm_overlay.spec import PatchSpec, Support, Target
 
 SPEC = PatchSpec(
     id="forward-telemetry",
@@ -22,34 +22,47 @@ SPEC = PatchSpec(
     ),
     upstream="https://github.com/vllm-project/vllm/blob/v0.20.2/vllm/v1/worker/gpu_model_runner.py",
     targets=(
-        Target(RUNNER_MODULE, f"{RUNNER}.__init__"),
-        Target(RUNNER_MODULE, f"{RUNNER}.execute_model"),
-        Target(RUNNER_MODULE, f"{RUNNER}._dummy_run"),
+        Target(RUNNER_MODULE, f"{RUNNER}.__init__", wrapper="_init"),
+        Target(RUNNER_MODULE, f"{RUNNER}.execute_model", wrapper="_execute_model", params=("scheduler_output",)),
+        Target(RUNNER_MODULE, f"{RUNNER}._dummy_run", wrapper="_dummy_run", params=("num_tokens", "is_profile")),
     ),
     mechanism="wrap",
-    vllm=">=0.20.2,<=0.32.0",
+    support=(
+        Support(">=0.20.0,<=0.33.0", "applies",
+                "the overlay's own per-forward counts; the V1 runner methods it wraps exist with the "
+                "parameters it reads"),
+    ),
     default=True,
     retire_when="vLLM exports per-forward scheduled-token counts itself (a metric or a hook).",
     settings=("VLLM_OVERLAY_REPORT_DIR",),
 )
 
 
-def MODULES(version: str) -> list[str]:  # noqa: N802 - part of the patch interface
-    return [RUNNER_MODULE]
+_noted: list[Any] = [None]  # weak reference to the runner engine_config describes
 
 
 def _note_runner(runner: Any) -> None:
-    if STATE.engine_config:
+    """engine_config describes the live runner (a later engine in the same process replaces it)."""
+    ref = _noted[0]
+    if STATE.engine_config and ref is not None and ref() is runner:
         return
-    STATE.worker_rank = worker_rank()
-    STATE.tp_rank = tp_rank()
+    try:
+        _noted[0] = weakref.ref(runner)
+    except TypeError:
+        _noted[0] = None
+    STATE.set_identity(worker_rank(), tp_rank())
     try:
         STATE.engine_config = {
             "max_num_batched_tokens": int(runner.scheduler_config.max_num_batched_tokens),
             "max_num_seqs": int(runner.scheduler_config.max_num_seqs),
             "max_model_len": int(runner.model_config.max_model_len),
             "model": str(runner.model_config.model),
+            "runner_max_num_tokens": int(getattr(runner, "max_num_tokens", -1)),
+            "num_speculative_tokens": int(getattr(getattr(runner, "speculative_config", None),
+                                                  "num_speculative_tokens", 0) or 0),
         }
+        if getattr(runner, "max_num_tokens", None) is not None:
+            budget.note_runner_limit(runner.vllm_config, runner.max_num_tokens)
     except Exception:  # noqa: BLE001 - a runner without these fields: leave it empty
         STATE.engine_config = {"unknown": True}
 
@@ -66,10 +79,7 @@ def _execute_model(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: d
 def _dummy_run(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     n = dummy_tokens(args, kwargs)
     _note_runner(instance)
-    STATE.dummy_forwards.record(n)
-    if kwargs.get("is_profile"):
-        STATE.profile_forward_tokens.append(n)
-    STATE.dirty = True
+    STATE.record_dummy(n, bool(kwargs.get("is_profile")))
     return wrapped(*args, **kwargs)
 
 
@@ -79,10 +89,3 @@ def _init(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, 
     STATE.write()  # the live limits are visible to the harness before any traffic
     return result
 
-
-def install(module_name: str, module: ModuleType) -> list[Installed]:
-    return [
-        wrap(RUNNER_MODULE, f"{RUNNER}.__init__", _init),
-        wrap(RUNNER_MODULE, f"{RUNNER}.execute_model", _execute_model),
-        wrap(RUNNER_MODULE, f"{RUNNER}._dummy_run", _dummy_run),
-    ]

@@ -10,30 +10,27 @@ TurboQuant layers really store their packed slot (key + value + scales, e.g. 388
 256 for k8v4 instead of 512); the padded GDN state page then matches no attention page and the KV
 cache cannot be unified.
 
-This patch makes two anchored in-memory rewrites of vLLM 0.20.2 (each checked against the pristine
+This patch makes two anchored in-memory rewrites of vLLM 0.20.0-0.20.2 (each checked against the pristine
 source hash):
 - the refusal is replaced by ``boundary_skip_layers``: on a hybrid, TurboQuant goes on the
   full-attention layers (the GDN layers keep their state caches unchanged), and boundary protection
   counts *full-attention* layers: ``VLLM_OVERLAY_TQ_HYBRID_BOUNDARY`` of the first and last ones
-  keep the model dtype (default 0: none, the choice vLLM 0.32 made upstream, since a hybrid has few
+  keep the model dtype (default 0: none, the choice vLLM made upstream from 0.22.0, since a hybrid has few
   full-attention layers and n=2 on each side would take 40 % of them from Qwen3.6-35B-A3B's ten);
 - the planner's per-token attention page is the TurboQuant packed page, or, when some attention
   layers keep the model dtype (boundary or ``--kv-cache-dtype-skip-layers``), the least common
   multiple of the two pages, so that every attention page divides the padded GDN page exactly.
-On vLLM 0.32 upstream does the same (vLLM PR 39931): the patch reports upstream-merged there.
+From vLLM 0.22.0 upstream does the same (vLLM PR 39931): the patch reports upstream-merged there.
 """
 
 from __future__ import annotations
 
 import math
-from types import ModuleType
 from typing import Any
 
 from vllm_overlay import settings
-from vllm_overlay.mechanisms import rewrite
-from vllm_overlay.mechanisms.wrap import Installed
 from vllm_overlay.report import LOG, STATE
-from vllm_overlay.spec import Edit, PatchSpec, Rewrite, Target
+from vllm_overlay.spec import Edit, PatchSpec, Proof, Support, Target, per_release
 
 ARGS_MODULE = "vllm.engine.arg_utils"
 PLATFORM_MODULE = "vllm.platforms.interface"
@@ -78,13 +75,22 @@ _PAGE_FIX = Edit(
     ),
 )
 
+REFUSAL_TEXT = "TurboQuant KV cache is not supported for hybrid"
+TQ_CONFIG = "model_executor/layers/quantization/turboquant/config.py"
+
+# Pristine sha256 of each rewritten function per release (`vllm-overlay verify --propose` prints them)
 REWRITES = (
-    Rewrite(Target(ARGS_MODULE, "EngineArgs.create_engine_config", "==0.20.2"), "0.20.2",
-            "engine/arg_utils.py",
-            "40ba8f24b2b27a856067d67c909392a78e7e872b15d3586175b94efb787eb9fb", (_REFUSAL,)),
-    Rewrite(Target(PLATFORM_MODULE, "Platform._align_hybrid_block_size", "==0.20.2"), "0.20.2",
-            "platforms/interface.py",
-            "67b6d520863c9b898d935f29ec8202ee7318ab9e05206edf032b89541a49fd4e", (_PAGE_IMPORT, _PAGE_FIX)),
+    *per_release(Target(ARGS_MODULE, "EngineArgs.create_engine_config"), "engine/arg_utils.py", (_REFUSAL,), {
+        "0.20.0": "40ba8f24b2b27a856067d67c909392a78e7e872b15d3586175b94efb787eb9fb",
+        "0.20.1": "40ba8f24b2b27a856067d67c909392a78e7e872b15d3586175b94efb787eb9fb",
+        "0.20.2": "40ba8f24b2b27a856067d67c909392a78e7e872b15d3586175b94efb787eb9fb",
+    }),
+    *per_release(Target(PLATFORM_MODULE, "Platform._align_hybrid_block_size"), "platforms/interface.py",
+                 (_PAGE_IMPORT, _PAGE_FIX), {
+        "0.20.0": "67b6d520863c9b898d935f29ec8202ee7318ab9e05206edf032b89541a49fd4e",
+        "0.20.1": "67b6d520863c9b898d935f29ec8202ee7318ab9e05206edf032b89541a49fd4e",
+        "0.20.2": "67b6d520863c9b898d935f29ec8202ee7318ab9e05206edf032b89541a49fd4e",
+    }),
 )
 
 SPEC = PatchSpec(
@@ -92,20 +98,33 @@ SPEC = PatchSpec(
     title="TurboQuant KV cache on hybrid GDN + attention models (vLLM 0.20.x)",
     why=" ".join(__doc__.split("\n\n")[1:3]),
     upstream="https://github.com/vllm-project/vllm/pull/39931",
-    targets=tuple(rw.target for rw in REWRITES),
+    targets=(
+        Target(ARGS_MODULE, "EngineArgs.create_engine_config", "<0.22.0"),
+        Target(PLATFORM_MODULE, "Platform._align_hybrid_block_size", "<0.22.0"),
+    ),
     mechanism="rewrite",
-    vllm="==0.20.2",
+    support=(
+        Support("<0.22.0", "applies",
+                "create_engine_config refuses TurboQuant on hybrids and the hybrid page planner sizes "
+                "a TurboQuant page as 2 x head_size bytes per head and token",
+                (Proof("engine/arg_utils.py", REFUSAL_TEXT),
+                 # what the helpers below call in vLLM
+                 Proof(TQ_CONFIG, "def get_boundary_skip_layers(num_layers: int, n: int = 2)"),
+                 Proof(TQ_CONFIG, "def from_cache_dtype(cache_dtype: str, head_dim: int)"),
+                 Proof(TQ_CONFIG, "def slot_size_aligned(self) -> int:"))),
+        Support(">=0.22.0,<=0.33.0", "upstream-merged",
+                "vLLM PR 39931 (in 0.22.0): no refusal, no boundary layers on hybrids, and the planner "
+                "sizes TurboQuant's packed page (lcm with skipped layers)",
+                (Proof("engine/arg_utils.py", REFUSAL_TEXT, present=False),
+                 Proof(TQ_CONFIG, "if model_config.is_hybrid:"),
+                 Proof("platforms/interface.py", "attn_page_size_1_token = lcm(tq_page, skip_page)"))),
+    ),
     default=True,
-    retire_when="Users are on a vLLM with PR 39931 (0.32 has it): the patch then reports upstream-merged.",
+    retire_when="Users are on a vLLM with PR 39931 (0.22.0 and later): the patch reports upstream-merged there.",
     settings=("VLLM_OVERLAY_TQ_HYBRID_BOUNDARY",),
     platforms=("cuda",),
-    upstream_merged=">=0.32.0",
     rewrites=REWRITES,
 )
-
-
-def MODULES(version: str) -> list[str]:  # noqa: N802 - part of the patch interface
-    return [ARGS_MODULE, PLATFORM_MODULE]
 
 
 # ---- called from the rewritten vLLM code ---------------------------------------------------------
@@ -176,20 +195,9 @@ def attention_page_bytes_per_token(vllm_config: Any, stock: int) -> int:
         f"hybrid-turboquant: attention page per token {page} bytes for the hybrid planner "
         f"({cache.cache_dtype} packed {packed}"
         + (f", model-dtype layers {plain}, lcm" if plain else "")
-        + f"; vLLM 0.20.2 would plan {stock})"
+        + f"; stock vLLM 0.20.x would plan {stock})"
     )
     LOG.info(msg)
     STATE.event(msg)
     return page
 
-
-# ---- applying ---------------------------------------------------------------------------------
-
-
-def install(module_name: str, module: ModuleType) -> list[Installed]:
-    from vllm_overlay.versions import installed_vllm
-
-    inst = installed_vllm()
-    assert inst is not None
-    return [rewrite.apply(rw, SPEC.id) for rw in REWRITES
-            if rw.version == inst.version and rw.target.module == module_name]

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import weakref
-from types import ModuleType
 from typing import Any
 
 from vllm_overlay import settings
 from vllm_overlay.errors import OverlayError
-from vllm_overlay.mechanisms.wrap import Installed, wrap
 from vllm_overlay.patches._runner import RUNNER, RUNNER_MODULE, dummy_tokens
 from vllm_overlay.report import LOG, STATE
-from vllm_overlay.spec import PatchSpec, Target
+from vllm_overlay.spec import PatchSpec, Support, Target
 
 SPEC = PatchSpec(
     id="profile-run-cap",
@@ -31,18 +29,22 @@ SPEC = PatchSpec(
         "the largest forward leaves room for; that full-size forward then fails at boot, not later."
     ),
     upstream="https://github.com/vllm-project/vllm/blob/v0.20.2/vllm/v1/worker/gpu_model_runner.py (profile_run)",
-    targets=(Target(RUNNER_MODULE, f"{RUNNER}._dummy_run"), Target(RUNNER_MODULE, f"{RUNNER}.capture_model")),
+    targets=(
+        Target(RUNNER_MODULE, f"{RUNNER}._dummy_run", wrapper="_dummy_run",
+               params=("num_tokens", "is_profile", "skip_eplb", "remove_lora")),
+        Target(RUNNER_MODULE, f"{RUNNER}.capture_model", wrapper="_capture_model"),
+    ),
     mechanism="wrap",
-    vllm=">=0.20.2,<=0.32.0",
+    support=(
+        Support(">=0.20.0,<=0.33.0", "applies",
+                "the V1 runner's profiling forward (_dummy_run(is_profile=True)) and capture_model, "
+                "which it wraps, exist with the parameters it uses"),
+    ),
     default=False,
     enabled_by="VLLM_OVERLAY_PROFILE_RUN_CAP",
     retire_when="Never needed for the GDN crash; retire once no user sets the cap.",
     settings=("VLLM_OVERLAY_PROFILE_RUN_CAP",),
 )
-
-
-def MODULES(version: str) -> list[str]:  # noqa: N802 - part of the patch interface
-    return [RUNNER_MODULE]
 
 
 _capped: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()  # runner -> uncapped tokens
@@ -62,12 +64,44 @@ def _dummy_run(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[
     )
     LOG.warning(msg)
     STATE.event(msg)
-    _capped[instance] = n
+    never = never_captures(instance)
+    if never:
+        _no_capture(n, cap, never)
+    else:
+        _capped[instance] = n
     if "num_tokens" in kwargs:
         kwargs = {**kwargs, "num_tokens": cap}
     else:
         args = (cap, *args[1:])
     return wrapped(*args, **kwargs)
+
+
+def never_captures(runner: Any) -> str | None:
+    """Why vLLM will never call ``capture_model`` on this runner (so the full-size forward that
+    runs before capture never runs), or None."""
+    if any(k.__name__ == "CPUModelRunner" for k in type(runner).__mro__):
+        return "the CPU worker never captures CUDA graphs"
+    model_config = getattr(runner, "model_config", None)
+    if model_config is not None and getattr(model_config, "enforce_eager", False):
+        return "enforce_eager: vLLM never captures CUDA graphs"
+    return None
+
+
+_no_capture_warned = False
+
+
+def _no_capture(n: int, cap: int, why: str) -> None:
+    """The promised full-size forward cannot run: say so loudly once, count it every time."""
+    global _no_capture_warned
+    STATE.count("precapture_forward_skipped")
+    if _no_capture_warned:
+        return
+    _no_capture_warned = True
+    msg = (f"profile-run-cap: {why}, so the un-profiled forward of {n} tokens that sizes the "
+           f"workspaces before capture will NOT run; the first forward above the cap ({cap}) sizes "
+           "them under traffic instead (counter precapture_forward_skipped)")
+    LOG.warning(msg)
+    STATE.event(msg)
 
 
 def _capture_model(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -100,7 +134,3 @@ def _failure_text(n: int, exc: BaseException) -> str:
     return (f"{head} This is the first forward of that size in this process, so any buffer sized below "
             f"{n} tokens fails here at boot instead of under traffic; the cap does not size buffers.")
 
-
-def install(module_name: str, module: ModuleType) -> list[Installed]:
-    return [wrap(RUNNER_MODULE, f"{RUNNER}._dummy_run", _dummy_run),
-            wrap(RUNNER_MODULE, f"{RUNNER}.capture_model", _capture_model)]

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-from types import ModuleType
 from typing import Any
 
 from vllm_overlay import metrics
-from vllm_overlay.mechanisms.wrap import Installed, wrap
-from vllm_overlay.report import LOG
-from vllm_overlay.spec import PatchSpec, Target
+from vllm_overlay.logs import LOG
+from vllm_overlay.spec import PatchSpec, Proof, Support, Target
 
 TRIGGER = "prometheus_client"  # imported by every vLLM process, so the patch never stays armed
 MULTIPROC_MODULE = "prometheus_client.multiprocess"
-MULTIPROC_INIT = "MultiProcessCollector.__init__"
+MULTIPROC_INIT = "multiprocess.MultiProcessCollector.__init__"  # from TRIGGER; prepare() imports it
+VLLM_USES = "from prometheus_client import REGISTRY, CollectorRegistry, multiprocess"
 
 SPEC = PatchSpec(
     id="prometheus-metrics",
@@ -31,17 +30,22 @@ SPEC = PatchSpec(
         "collector is registered but never scraped."
     ),
     upstream="https://github.com/vllm-project/vllm/blob/v0.20.2/vllm/v1/metrics/prometheus.py",
-    targets=(Target(MULTIPROC_MODULE, MULTIPROC_INIT), Target(TRIGGER, "REGISTRY")),
+    # Not a vLLM module: prometheus_client, which vLLM's /metrics serves through. prepare() adds the
+    # collector to the default REGISTRY (on_revert() takes it off); the wrap adds it to every
+    # registry a MultiProcessCollector is built for.
+    targets=(Target(TRIGGER, MULTIPROC_INIT, wrapper="_multiproc_init"),),
     mechanism="wrap",
-    vllm=">=0.20.2,<=0.32.0",
+    support=(
+        Support(">=0.20.0,<=0.33.0", "applies",
+                "vLLM serves /metrics from prometheus_client (default REGISTRY, or a "
+                "MultiProcessCollector registry with PROMETHEUS_MULTIPROC_DIR); the wrapped "
+                "MultiProcessCollector.__init__ is prometheus_client's, not vLLM's",
+                (Proof("v1/metrics/prometheus.py", VLLM_USES),)),
+    ),
     default=True,
     retire_when="vLLM lets plugins add collectors to the /metrics registry itself.",
     settings=("VLLM_OVERLAY_REPORT_DIR", "VLLM_OVERLAY_SERVER_ID"),
 )
-
-
-def MODULES(version: str) -> list[str]:  # noqa: N802 - part of the patch interface
-    return [TRIGGER]
 
 
 def _attach(registry: Any) -> None:
@@ -60,13 +64,13 @@ def _multiproc_init(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: 
     return result
 
 
-def install(module_name: str, module: ModuleType) -> list[Installed]:
+def prepare(module_name: str) -> None:
+    """On the import of prometheus_client: import the submodule the wrapped target lives in and
+    add the collector to the default REGISTRY (taken off again by on_revert())."""
     import importlib
 
     importlib.import_module(MULTIPROC_MODULE)
-    installed = [wrap(MULTIPROC_MODULE, MULTIPROC_INIT, _multiproc_init)]
-    metrics.attach(module.REGISTRY)  # taken off again by on_revert()
-    return installed
+    metrics.attach(importlib.import_module(TRIGGER).REGISTRY)
 
 
 def on_revert() -> None:

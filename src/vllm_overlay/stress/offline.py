@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import time
@@ -11,6 +12,18 @@ from typing import Any
 from vllm_overlay.stress.plan import Plan
 from vllm_overlay.stress.traffic import prompt
 from vllm_overlay.stress.verdict import Outcome
+
+
+class _NoTokenizerWarmup(logging.Filter):
+    """vLLM 0.32's LLM() warms up the chat template even with skip_tokenizer_init=True and logs the
+    resulting ValueError with its whole traceback, in a run that is fine. Keep it as one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if record.getMessage().startswith("Chat template warmup failed") and "skip_tokenizer_init" in str(exc):
+            record.msg, record.args, record.exc_info, record.exc_text = (
+                "Chat template warmup skipped: no tokenizer (skip_tokenizer_init=True)", (), None, None)
+        return True
 
 
 def build_engine(model: str, engine_args: dict[str, Any]) -> Any:
@@ -26,7 +39,13 @@ def build_engine(model: str, engine_args: dict[str, Any]) -> Any:
                                                          "pytorch_model.bin")
     ):
         kwargs.setdefault("load_format", "dummy")  # a config-only model directory
-    return LLM(model=model, **kwargs)
+    renderer_log = logging.getLogger("vllm.renderers.base")
+    quiet = _NoTokenizerWarmup()
+    renderer_log.addFilter(quiet)
+    try:
+        return LLM(model=model, **kwargs)
+    finally:
+        renderer_log.removeFilter(quiet)
 
 
 def vocab_size(llm: Any) -> int:
@@ -37,9 +56,12 @@ def vocab_size(llm: Any) -> int:
 
 
 def run(llm: Any, plan: Plan, duration_s: float | None, seed: int,
-        progress: Callable[[int, int], None]) -> Outcome:
+        progress: Callable[[int, int], None], after_warmup: Callable[[], None] | None = None) -> Outcome:
     """Keep ``plan.decode_streams`` decode streams running (each renewed when it ends, until the
-    waves are done) and send the waves one after another, stepping the engine ourselves."""
+    waves are done) and send the waves one after another, stepping the engine ourselves.
+
+    One warm-up wave of the same shape runs first (kernels compile on first use); the clock,
+    ``duration_s`` and the timings start after it, once ``after_warmup()`` has returned."""
     from vllm import SamplingParams
 
     engine = llm.llm_engine
@@ -83,15 +105,27 @@ def run(llm: Any, plan: Plan, duration_s: float | None, seed: int,
             add(f"decode-{i}-0", 32, dec_params)
         while any(f"decode-{i}-0" not in first_token for i in streams):
             step()
+        warm = [f"warmup-{j}" for j in range(plan.prefills_per_wave)]
+        for rid in warm:
+            add(rid, plan.prompt_tokens, pre_params)
+        while not all(rid in finished for rid in warm):
+            step()
+        out.warmup_s = time.perf_counter() - t0
+        if after_warmup is not None:
+            after_warmup()
+        out.generated_tokens = 0  # tokens/s counts what completes after the clock starts
+        t0 = time.perf_counter()
         for w in range(plan.waves):
             if duration_s is not None and time.perf_counter() - t0 > duration_s:
                 break
+            tw = time.perf_counter()
             ids = [f"wave{w}-{j}" for j in range(plan.prefills_per_wave)]
             for rid in ids:
                 add(rid, plan.prompt_tokens, pre_params)
             wave_ids.update(ids)
             while not all(rid in finished for rid in ids):
                 step()
+            out.wave_s.append(time.perf_counter() - tw)
             progress(w + 1, plan.waves)
         renewing = False
         while engine.has_unfinished_requests():

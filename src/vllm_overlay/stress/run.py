@@ -8,15 +8,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from vllm_overlay import metrics, settings
-from vllm_overlay.cli.report import load
+from vllm_overlay.budget import BUDGET_SETTINGS
+from vllm_overlay.output import Out
+from vllm_overlay.reports import load
 from vllm_overlay.stress import plan as planmod
 from vllm_overlay.stress.plot import forward_sizes_png
-from vllm_overlay.stress.verdict import BAD_USAGE, Outcome, judge, sizes_delta
+from vllm_overlay.stress.verdict import BAD_USAGE, SLOW_FACTOR, Outcome, judge, sizes_delta
 from vllm_overlay.telemetry import merge_sizes
 
 
@@ -41,42 +41,84 @@ def default_band(mnbt: int) -> tuple[int, int]:
     cap = int(settings.value("VLLM_OVERLAY_PROFILE_RUN_CAP"))
     if 0 < cap < mnbt:
         return cap, mnbt
-    for name in ("VLLM_OVERLAY_PREALLOC_TOKEN_BUDGET", "VLLM_OVERLAY_GDN_MAX_BATCHED_TOKENS"):
+    for name in BUDGET_SETTINGS:
         r = settings.resolve(name)
         if r.is_set and int(r.value) < mnbt:
             return int(r.value), mnbt
     return mnbt // 2, mnbt
 
 
-def summary_table(result: dict[str, Any]) -> Table:
-    t = Table(title=f"stress: {result['verdict']}")
-    t.add_column("measure")
-    t.add_column("value", justify="right")
-
+def summary_rows(result: dict[str, Any]) -> list[list[str]]:
     def fmt(v: Any) -> str:
         return "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))
 
     lo, hi = result["band"]
-    for label, key in (
+    return [[label, fmt(result.get(key))] for label, key in (
         (f"band forwards in ({lo}, {hi}]", "band_forwards"), ("forwards (all)", "forwards"),
         ("max forward size", "max_forward"), ("guard fallbacks (trips)", "guard_trips"),
         ("requests ok", "requests_ok"), ("requests failed", "requests_failed"),
         ("generated tokens/s", "tokens_per_s"), ("p50 TTFT of band prefills (s)", "ttft_p50_s"),
-        ("p99 TTFT of band prefills (s)", "ttft_p99_s"), ("wall (s)", "wall_s"),
-    ):
-        t.add_row(label, fmt(result.get(key)))
-    return t
+        ("p99 TTFT of band prefills (s)", "ttft_p99_s"), ("warm-up wave, before the clock (s)", "warmup_s"),
+        ("timed waves", "waves_timed"), ("median wave (s)", "wave_s_median"), ("wall after warm-up (s)", "wall_s"),
+    )]
 
 
-def execute(opts: Options, console: Console | None = None) -> dict[str, Any]:
+def execute(opts: Options, out: Out | None = None) -> dict[str, Any]:
     """Run one stress; returns the result dict (``exit_code`` says the verdict)."""
-    console = console or Console()
-    os.makedirs(opts.out, exist_ok=True)
+    out = out or Out()
+    make_out_dir(opts.out)
     try:
-        return _execute(opts, console)
+        return _execute(opts, out)
     except planmod.UsageError as exc:
-        console.print(f"[red]bad usage[/]: {exc}")
+        out.line(f"bad usage: {exc}", "error")
         return {"exit_code": BAD_USAGE, "verdict": "BAD USAGE", "why": str(exc)}
+
+
+def make_out_dir(path: str) -> None:
+    """Create the output folder with a .gitignore of its own (``*``), so that a run inside a git
+    checkout never leaves untracked files behind, wherever the user runs it."""
+    os.makedirs(path, exist_ok=True)
+    marker = os.path.join(path, ".gitignore")
+    if not os.path.exists(marker):
+        with open(marker, "w") as f:
+            f.write("# written by vllm-overlay: run outputs, not sources\n*\n")
+
+
+class _Ticker:
+    """A progress bar on a terminal; elsewhere a plain line every 10% of the waves or 30 s."""
+
+    def __init__(self, out: Out, total: int) -> None:
+        self.out, self.total, self.t0, self.last = out, total, time.perf_counter(), (0, time.perf_counter())
+        self.progress: Progress | None = None
+        if not out.plain:
+            self.progress = Progress(TextColumn("[bold]band waves"), BarColumn(), MofNCompleteColumn(),
+                                     TimeElapsedColumn(), console=out.console, transient=False)
+            self.task = self.progress.add_task("waves", total=total)
+
+    def __enter__(self) -> _Ticker:
+        if self.progress is not None:
+            self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.progress is not None:
+            self.progress.__exit__(*exc)
+
+    def note(self, text: str) -> None:
+        if self.progress is not None:
+            self.progress.console.print(text, markup=False, highlight=False)
+        else:
+            self.out.line(text)
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.progress is not None:
+            self.progress.update(self.task, completed=done, total=total)
+            return
+        now = time.perf_counter()
+        step = max(1, total // 10)
+        if done == total or done - self.last[0] >= step or now - self.last[1] >= 30:
+            self.out.line(f"band waves: {done}/{total} ({now - self.t0:.1f} s)")
+            self.last = (done, now)
 
 
 def _limits_offline(engine_args: dict[str, Any]) -> planmod.Limits:
@@ -92,7 +134,7 @@ def _limits_offline(engine_args: dict[str, Any]) -> planmod.Limits:
     )
 
 
-def _execute(opts: Options, console: Console) -> dict[str, Any]:
+def _execute(opts: Options, out: Out) -> dict[str, Any]:
     if bool(opts.model) == bool(opts.url):
         raise planmod.UsageError("give exactly one of --model DIR (offline) or --url URL (server)")
     if opts.min_band_forwards < 1:
@@ -122,10 +164,10 @@ def _execute(opts: Options, console: Console) -> dict[str, Any]:
     if not opts.model and first is not None:
         _check_band_edges(lo, hi, first)
     plan = planmod.make_plan(lo, hi, limits, opts.min_band_forwards, opts.requests)
-    console.print(f"[bold]plan[/]: {plan.describe()}")
-    console.print(f"limits: max_num_batched_tokens {limits.max_num_batched_tokens}, max_model_len "
-                  f"{limits.max_model_len}, max_num_seqs {limits.max_num_seqs}; "
-                  f"{'telemetry' if first is not None else 'reports'}: {report_dir}")
+    out.line(f"plan: {plan.describe()}")
+    out.line(f"limits: max_num_batched_tokens {limits.max_num_batched_tokens}, max_model_len "
+             f"{limits.max_model_len}, max_num_seqs {limits.max_num_seqs}; "
+             f"{'telemetry' if first is not None else 'reports'}: {report_dir}")
 
     boot_s = None
     since = time.time()
@@ -134,7 +176,7 @@ def _execute(opts: Options, console: Console) -> dict[str, Any]:
 
         os.makedirs(report_dir, exist_ok=True)
         os.environ["VLLM_OVERLAY_REPORT_DIR"] = report_dir  # inherited by the engine's processes
-        console.print(f"booting vLLM on {opts.model} ...")
+        out.line(f"booting vLLM on {opts.model} ...")
         t0 = time.perf_counter()
         try:
             llm = offline.build_engine(opts.model, opts.engine_args)
@@ -146,22 +188,30 @@ def _execute(opts: Options, console: Console) -> dict[str, Any]:
     elif first is None:
         before = merge_sizes(load(report_dir)) if os.path.isdir(report_dir) else {}
 
-    with Progress(TextColumn("[bold]band waves"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, transient=False) as progress:
-        task = progress.add_task("waves", total=plan.waves)
+    out.line("one warm-up wave first (kernels compile on first use); the clock starts after it")
 
-        def tick(done: int, total: int) -> None:
-            progress.update(task, completed=done, total=total)
+    with _Ticker(out, plan.waves) as tick:
+        def after_warmup() -> None:
+            # forwards of the warm-up wave are not the run's: snapshot telemetry once it has flushed
+            nonlocal before, first
+            tick.note(f"warm-up wave done after {time.perf_counter() - t_warm:.1f} s (decode streams started, "
+                      "one wave served); timed waves start now")
+            if first is not None:
+                time.sleep(2.5)  # the workers' reports flush within a second; /metrics reads them
+                first = metrics.scrape(base)
+            else:
+                before = merge_sizes(_read_reports(report_dir, since if not opts.model else None))
 
+        t_warm = time.perf_counter()
         if opts.model:
             if llm is not None:
-                outcome = offline.run(llm, plan, opts.duration, opts.seed, tick)
+                outcome = offline.run(llm, plan, opts.duration, opts.seed, tick, after_warmup)
                 _shutdown(llm)
         else:
             from vllm_overlay.stress import server
 
             outcome = server.run(base, plan, opts.duration, opts.seed, tick,
-                                 alive=lambda: server.health_error(base))
+                                 alive=lambda: server.health_error(base), after_warmup=after_warmup)
     if first is None:
         reports = _read_reports(report_dir, since if not opts.model else None)
         sizes = sizes_delta(before, merge_sizes(reports))
@@ -197,12 +247,15 @@ def _execute(opts: Options, console: Console) -> dict[str, Any]:
     result["json"] = os.path.abspath(os.path.join(opts.out, "stress.json"))
     with open(result["json"], "w") as f:
         json.dump(result, f, indent=1)
-    console.print(summary_table(result))
-    color = {"PASSED": "green", "FAILED": "red", "DID NOT TEST": "yellow"}.get(result["verdict"], "red")
-    console.print(f"[bold {color}]{result['verdict']}[/]: {result['why']}")
+    out.table(f"stress: {result['verdict']}", ("measure", "value"), summary_rows(result))
+    for slow in result["slow_waves"]:
+        out.line(f"slow wave: wave {slow['wave']} took {slow['s']:.1f} s, more than {SLOW_FACTOR:g} x the "
+                 f"median {slow['median_s']:.2f} s", "warning")
+    level = {"PASSED": "ok", "FAILED": "error", "DID NOT TEST": "warning"}.get(result["verdict"], "error")
+    out.line(f"{result['verdict']}: {result['why']}", level)
     if outcome.errors:
-        console.print(f"first error: {outcome.errors[0]}")
-    console.print(f"wrote {result['json']} and {result['png']}")
+        out.line(f"first error: {outcome.errors[0]}")
+    out.line(f"wrote {result['json']} and {result['png']}")
     return result
 
 

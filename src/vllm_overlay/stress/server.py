@@ -78,7 +78,8 @@ async def _completion(session: Any, base: str, model: str, ids: list[int], max_t
 
 async def _run(base: str, plan: Plan, duration_s: float | None, seed: int,
                progress: Callable[[int, int], None], out: Outcome,
-               alive: Callable[[], str | None] | None) -> None:
+               alive: Callable[[], str | None] | None,
+               after_warmup: Callable[[], None] | None) -> None:
     import aiohttp
 
     rng = random.Random(seed)
@@ -104,22 +105,36 @@ async def _run(base: str, plan: Plan, duration_s: float | None, seed: int,
 
         workers = [asyncio.create_task(decode_worker(i)) for i in range(plan.decode_streams)]
         await asyncio.sleep(0.5)  # let the decode streams start
+        # one warm-up wave of the same shape before the clock: a cold server compiles kernels on
+        # first use (seen: 104 s for the first MTP wave), which is not what --duration measures
+        tw = time.perf_counter()
+        warm = [f"warmup-{j}" for j in range(plan.prefills_per_wave)]
+        done = await asyncio.gather(*[
+            _completion(session, base, model, prompt(rng, plan.prompt_tokens, vocab),
+                        plan.prefill_out_tokens, rid, out, {}) for rid in warm])
+        ok.extend(done)
+        out.warmup_s = time.perf_counter() - tw
+        if after_warmup is not None:
+            await asyncio.get_running_loop().run_in_executor(None, after_warmup)
+        out.generated_tokens = 0  # tokens/s counts what completes after the clock starts
+        out.wall_s = 0.0
         t0 = time.perf_counter()
+        out.clock_start = t0
         for w in range(plan.waves):
-            if stop.is_set() or (duration_s is not None and time.perf_counter() - t0 > duration_s):
+            if not all(done) or stop.is_set() or (duration_s is not None and time.perf_counter() - t0 > duration_s):
                 break
             if alive is not None and (err := alive()):
                 out.engine_error = err
                 break
+            tw = time.perf_counter()
             ids = [f"wave{w}-{j}" for j in range(plan.prefills_per_wave)]
             done = await asyncio.gather(*[
                 _completion(session, base, model, prompt(rng, plan.prompt_tokens, vocab),
                             plan.prefill_out_tokens, rid, out, ttft) for rid in ids])
             ok.extend(done)
             wave_ids.extend(ids)
+            out.wave_s.append(time.perf_counter() - tw)
             progress(w + 1, plan.waves)
-            if not all(done):
-                break
         stop.set()
         await asyncio.gather(*workers)
         if alive is not None and out.engine_error is None and (err := alive()):
@@ -130,11 +145,11 @@ async def _run(base: str, plan: Plan, duration_s: float | None, seed: int,
 
 
 def run(base: str, plan: Plan, duration_s: float | None, seed: int,
-        progress: Callable[[int, int], None], alive: Callable[[], str | None] | None = None) -> Outcome:
+        progress: Callable[[int, int], None], alive: Callable[[], str | None] | None = None,
+        after_warmup: Callable[[], None] | None = None) -> Outcome:
     out = Outcome()
-    t0 = time.perf_counter()
-    asyncio.run(_run(base, plan, duration_s, seed, progress, out, alive))
-    out.wall_s = time.perf_counter() - t0
+    asyncio.run(_run(base, plan, duration_s, seed, progress, out, alive, after_warmup))
+    out.wall_s = time.perf_counter() - out.clock_start if out.clock_start is not None else 0.0
     if out.errors and not out.engine_error and out.requests_failed:
         out.engine_error = out.errors[0]
     return out

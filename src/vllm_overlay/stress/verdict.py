@@ -18,8 +18,23 @@ class Outcome:
     errors: list[str] = field(default_factory=list)
     ttft_s: list[float] = field(default_factory=list)  # of the wave prefills
     generated_tokens: int = 0
-    wall_s: float = 0.0
+    wall_s: float = 0.0  # from the end of the warm-up wave
     engine_error: str | None = None
+    warmup_s: float | None = None  # the warm-up wave, before the clock (kernels compiled on first use)
+    wave_s: list[float] = field(default_factory=list)  # each timed wave, in order
+    clock_start: float | None = None  # perf_counter() when the timed waves began
+
+
+SLOW_FACTOR = 3.0  # a wave slower than this many times the median is named in the output
+
+
+def slow_waves(wave_s: list[float]) -> list[dict[str, float]]:
+    """Timed waves that took more than SLOW_FACTOR x the median (1-based wave numbers)."""
+    med = percentile(wave_s, 50)
+    if not med or len(wave_s) < 3:
+        return []
+    return [{"wave": i + 1, "s": round(t, 3), "median_s": round(med, 3)}
+            for i, t in enumerate(wave_s) if t > SLOW_FACTOR * med]
 
 
 def sizes_delta(before: dict[int, int], after: dict[int, int]) -> dict[int, int]:
@@ -67,6 +82,10 @@ def judge(lo: int, hi: int, min_band: int, sizes: dict[int, int], outcome: Outco
         "errors": outcome.errors[:20],
         "generated_tokens": outcome.generated_tokens,
         "wall_s": round(outcome.wall_s, 3),
+        "warmup_s": round(outcome.warmup_s, 3) if outcome.warmup_s is not None else None,
+        "waves_timed": len(outcome.wave_s),
+        "wave_s_median": percentile(outcome.wave_s, 50),
+        "slow_waves": slow_waves(outcome.wave_s),
         "tokens_per_s": round(outcome.generated_tokens / outcome.wall_s, 2) if outcome.wall_s else None,
         "ttft_p50_s": percentile(outcome.ttft_s, 50),
         "ttft_p99_s": percentile(outcome.ttft_s, 99),

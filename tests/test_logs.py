@@ -1,0 +1,78 @@
+"""The overlay's logging leaves everyone else's configuration alone (no vLLM needed). A private
+logger tree stands in for root (pytest attaches its own handlers to the real root logger)."""
+
+from __future__ import annotations
+
+import io
+import logging
+from collections.abc import Iterator
+
+import pytest
+
+from vllm_overlay import logs
+
+
+@pytest.fixture
+def tree(monkeypatch) -> Iterator[tuple[logging.Logger, logging.Logger, pytest.MonkeyPatch]]:  # type: ignore[no-untyped-def]
+    """(top, ours, monkeypatch): ``top`` plays root, with no handler, as in a vLLM worker (vLLM
+    configures only its own 'vllm' logger)."""
+    top = logging.getLogger("vo_logs_top")
+    ours = logging.getLogger("vo_logs_top.overlay")
+    top.propagate = False  # the chain ends here, like at root
+    for lg in (top, ours):
+        lg.handlers.clear()
+        lg.setLevel(logging.NOTSET)
+    yield top, ours, monkeypatch
+    for lg in (top, ours):
+        lg.handlers.clear()
+
+
+def _begin(top: logging.Logger, monkeypatch: pytest.MonkeyPatch) -> io.StringIO:
+    """In the test body: pytest re-attaches its capture handler to non-propagating loggers and
+    swaps sys.stderr for each test phase."""
+    top.handlers.clear()
+    err = io.StringIO()
+    monkeypatch.setattr("sys.stderr", err)
+    return err
+
+
+def test_unconfigured_process_gets_our_fallback_line(tree) -> None:  # type: ignore[no-untyped-def]
+    top, ours, monkeypatch = tree
+    err = _begin(top, monkeypatch)
+    logs.setup(ours)
+    logs.setup(ours)  # idempotent
+    assert len(ours.handlers) == 1 and ours.propagate is True and ours.level == logging.INFO
+    ours.info("hello")
+    assert "[vllm-overlay] hello" in err.getvalue()
+    assert top.handlers == []  # nobody else's logger was touched
+
+
+def test_a_handler_configured_later_takes_over_without_duplicates(tree) -> None:  # type: ignore[no-untyped-def]
+    top, ours, monkeypatch = tree
+    err = _begin(top, monkeypatch)
+    logs.setup(ours)
+    theirs = io.StringIO()
+    top.addHandler(logging.StreamHandler(theirs))  # the user's basicConfig, after the plugin loaded
+    ours.warning("once")
+    assert theirs.getvalue().count("once") == 1 and "once" not in err.getvalue()
+
+
+def test_configured_logging_is_used_as_is(tree) -> None:  # type: ignore[no-untyped-def]
+    top, ours, monkeypatch = tree
+    err = _begin(top, monkeypatch)
+    theirs = io.StringIO()
+    top.addHandler(logging.StreamHandler(theirs))
+    ours.setLevel(logging.WARNING)  # a level the user chose is kept
+    logs.setup(ours)
+    assert ours.handlers == [] and ours.level == logging.WARNING
+    ours.info("quiet")
+    ours.warning("loud")
+    assert "loud" in theirs.getvalue() and "quiet" not in theirs.getvalue() and err.getvalue() == ""
+
+
+def test_vllm_and_root_loggers_are_left_alone() -> None:
+    vllm_logger, root = logging.getLogger("vllm"), logging.getLogger()
+    before = (vllm_logger.handlers[:], vllm_logger.propagate, vllm_logger.level, root.handlers[:], root.level)
+    logs.setup()
+    assert (vllm_logger.handlers, vllm_logger.propagate, vllm_logger.level, root.handlers, root.level) == before
+    assert logs.LOG.propagate is True

@@ -8,6 +8,7 @@ import importlib
 import json
 import logging
 import os
+import types
 
 import pytest
 
@@ -46,6 +47,8 @@ def originals() -> dict[str, object]:
             owner = mod
             *path, name = t.qualname.split(".")
             for p in path:
+                if isinstance(owner, types.ModuleType) and not hasattr(owner, p):  # a submodule the patch imports
+                    importlib.import_module(f"{owner.__name__}.{p}")
                 owner = getattr(owner, p)
             out[str(t)] = vars(owner)[name] if isinstance(owner, type) and name in vars(owner) else getattr(owner, name)
     return out

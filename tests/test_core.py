@@ -8,6 +8,7 @@ import importlib
 import json
 import logging
 import os
+import types
 
 import pytest
 
@@ -46,6 +47,8 @@ def originals() -> dict[str, object]:
             owner = mod
             *path, name = t.qualname.split(".")
             for p in path:
+                if isinstance(owner, types.ModuleType) and not hasattr(owner, p):  # a submodule the patch imports
+                    importlib.import_module(f"{owner.__name__}.{p}")
                 owner = getattr(owner, p)
             out[str(t)] = vars(owner)[name] if isinstance(owner, type) and name in vars(owner) else getattr(owner, name)
     return out
@@ -138,8 +141,8 @@ def test_apply_then_revert_restores_every_target(overlay) -> None:  # type: igno
     changed = [k for k in before if before[k] is not during[k]]
     # every distinct target of the four default-on patches on 0.32.0 was replaced
     # (GPUModelRunner._dummy_run is wrapped by two of them and counts once; moe-configs adds
-    # fused_moe.get_moe_configs)
-    assert len(changed) == 9, changed
+    # fused_moe.get_moe_configs; prometheus-metrics wraps MultiProcessCollector.__init__)
+    assert len(changed) == 10, changed
     report = json.load(open(os.path.join(overlay, f"overlay-{os.getpid()}.json")))
     assert report["patches"]["gdn-output-prealloc"]["status"] == "applied"
     assert report["patches"]["forward-telemetry"]["status"] == "applied"

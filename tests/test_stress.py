@@ -90,7 +90,7 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, tmp_path, mnbt: int = 2048) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, tmp_path, mnbt: int = 2048, env: dict[str, str] | None = None) -> None:  # type: ignore[no-untyped-def]
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.reports = str(tmp_path / "server-reports")
@@ -100,7 +100,7 @@ class Server:
              "--skip-tokenizer-init", "--max-num-batched-tokens", str(mnbt), "--max-model-len", "8192",
              "--max-num-seqs", "32", "--enforce-eager", "--gpu-memory-utilization", "0.3",
              "--no-enable-prefix-caching"],
-            env=clean_env(VLLM_OVERLAY_REPORT_DIR=self.reports), stdout=self.log, stderr=subprocess.STDOUT,
+            env=clean_env(VLLM_OVERLAY_REPORT_DIR=self.reports, **(env or {})), stdout=self.log, stderr=subprocess.STDOUT,
             start_new_session=True)
 
     def wait_healthy(self, timeout: float = 300) -> None:
@@ -146,6 +146,10 @@ def test_server_mode_passes_and_reads_the_servers_reports(server, tmp_path) -> N
     assert res["mode"] == "server" and res["band_forwards"] >= 10 and res["requests_failed"] == 0
     assert res["warmup_s"] > 0 and res["waves_timed"] >= 1
     assert res["limits"]["max_num_batched_tokens"] == 2048  # read from the server's live config
+    from vllm_overlay import metrics
+
+    scraped = metrics.scrape(server.url)  # one API server: the default registry serves our series
+    assert scraped.found and scraped.band(1024, 2048) >= res["band_forwards"] and scraped.buffer_rows == [2048]
     assert res["ttft_p50_s"] is not None and res["tokens_per_s"] > 0
     check_png(res["png"])
     from conftest import load_reports

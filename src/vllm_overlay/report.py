@@ -127,6 +127,7 @@ class ProcessState:
                 "pid": self.pid,
                 "forked_from": self.forked_from,
                 "host": socket.gethostname(),
+                "server_id": settings.value("VLLM_OVERLAY_SERVER_ID"),
                 "role": self.role(),
                 "tp_rank": self.tp_rank,
                 "argv": sys.argv[:4],
@@ -175,6 +176,7 @@ class ProcessState:
             with os.fdopen(fd, "w") as f:
                 f.write(data)
             os.replace(tmp, path)
+            _ensure_flusher()  # later changes (buffers, dummy forwards) reach the file within a second
             return path
         except Exception as exc:  # noqa: BLE001 - a report failure must not kill serving
             if data is not None:

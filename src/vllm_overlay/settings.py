@@ -81,6 +81,13 @@ def _path(raw: str) -> str:
     return os.path.abspath(os.path.expanduser(raw.strip()))
 
 
+def _server_id(raw: str) -> str:
+    text = raw.strip()
+    if not text or len(text) > 128 or not all(c.isalnum() or c in "._:-" for c in text):
+        raise ValueError
+    return text
+
+
 def default_report_dir() -> str:
     return os.path.join(tempfile.gettempdir(), "vllm-overlay-reports")
 
@@ -115,6 +122,14 @@ SETTINGS: tuple[Setting, ...] = (
         "VLLM_OVERLAY_REPORT_DIR", _path, None, "a directory path (created if missing)",
         "Where each process writes its JSON report. Default: vllm-overlay-reports under the "
         "system temp dir (printed in the log).",
+    ),
+    Setting(
+        "VLLM_OVERLAY_SERVER_ID", _server_id, None,
+        "1 to 128 characters from a-z, A-Z, 0-9 and . _ : -",
+        "Which serving processes belong together: the first overlay process of a server (the "
+        "API server, or the driver of an offline engine) sets it when unset, and its engine and "
+        "worker processes inherit it. The /metrics series read only the reports carrying the "
+        "API server's id. Set it yourself only to give a server a stable name.",
     ),
     Setting(
         "VLLM_OVERLAY_PREALLOC_TOKEN_BUDGET", _int_range(1, TOKEN_MAX), None,

@@ -67,6 +67,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--out", default="stress-out", metavar="DIR", help="where stress.json and the PNG go")
     p.add_argument("--report-dir", default=None, metavar="DIR",
                    help="server mode: the server's VLLM_OVERLAY_REPORT_DIR (default: this shell's)")
+    p.add_argument("--telemetry", choices=("auto", "reports", "metrics"), default="auto",
+                   help="server mode: where the verdict's forward counts come from: the server's report "
+                        "files, or its /metrics (no shared directory needed; the band's edges must be "
+                        "bucket edges). auto: the reports with --report-dir, else /metrics when it has "
+                        "vllm_overlay_ series, else this shell's VLLM_OVERLAY_REPORT_DIR")
     p.add_argument("--seed", type=int, default=0)
     add_engine_args(p)
     p.set_defaults(func=run)
@@ -78,6 +83,7 @@ def options(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     return Options(model=args.model, url=args.url, allow_remote=args.allow_remote, band=args.band,
                    min_band_forwards=args.min_band_forwards, requests=args.requests,
                    duration=args.duration, out=args.out, report_dir=args.report_dir, seed=args.seed,
+                   telemetry=args.telemetry,
                    engine_args=engine_args(args))
 
 

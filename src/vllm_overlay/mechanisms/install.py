@@ -1,7 +1,11 @@
 """Install a patch from its PatchSpec alone: when ``module_name`` is imported, apply the source
 rewrites recorded for the installed release in that module, then wrap every target of that
 module that applies to the release with the wrapper function the target names. A failure undoes
-what this call installed before it raises, so a patch is either in place for a module or not."""
+what this call installed before it raises, so a patch is either in place for a module or not.
+
+A patch module may define ``prepare(module_name)``: run first, when ``module_name`` is imported, for
+work that is not a wrap (importing a submodule its targets live in, registering an object); its
+``on_revert()`` undoes it, here too when the install fails."""
 
 from __future__ import annotations
 
@@ -13,7 +17,10 @@ from vllm_overlay.spec import PatchSpec
 
 def install(spec: PatchSpec, patch_module: ModuleType, module_name: str, version: str) -> list[wrap.Installed]:
     out: list[wrap.Installed] = []
+    prepare = getattr(patch_module, "prepare", None)
     try:
+        if callable(prepare):
+            prepare(module_name)
         for rw in spec.rewrites_for(version):
             if rw.target.module == module_name:
                 out.append(rewrite.apply(rw, spec.id))
@@ -31,6 +38,8 @@ def install(spec: PatchSpec, patch_module: ModuleType, module_name: str, version
     except Exception:
         for done in reversed(out):
             done.undo()
+        if callable(prepare) and callable(getattr(patch_module, "on_revert", None)):
+            patch_module.on_revert()
         raise
     if not out:
         raise RuntimeError(

@@ -10,7 +10,7 @@ from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from vllm_overlay import settings
+from vllm_overlay import metrics, settings
 from vllm_overlay.budget import BUDGET_SETTINGS
 from vllm_overlay.output import Out
 from vllm_overlay.reports import load
@@ -31,6 +31,7 @@ class Options:
     duration: float | None = None
     out: str = "stress-out"
     report_dir: str | None = None  # server mode: the server's VLLM_OVERLAY_REPORT_DIR
+    telemetry: str = "auto"  # server mode: "reports", "metrics" (the server's /metrics) or "auto"
     seed: int = 0
     engine_args: dict[str, Any] = field(default_factory=dict)
 
@@ -142,6 +143,7 @@ def _execute(opts: Options, out: Out) -> dict[str, Any]:
         raise planmod.UsageError(f"--requests {opts.requests}: expected an integer >= 1")
     if opts.duration is not None and opts.duration <= 0:
         raise planmod.UsageError(f"--duration {opts.duration}: expected seconds > 0")
+    first: metrics.Scrape | None = None  # server mode, telemetry from /metrics: the scrape before traffic
     if opts.model:
         if not os.path.isfile(os.path.join(opts.model, "config.json")):
             raise planmod.UsageError(f"--model {opts.model!r}: no config.json in that directory")
@@ -151,13 +153,21 @@ def _execute(opts: Options, out: Out) -> dict[str, Any]:
         from vllm_overlay.stress import server
 
         base = server.check_url(opts.url or "", opts.allow_remote)
-        report_dir = opts.report_dir or settings.value("VLLM_OVERLAY_REPORT_DIR")
-        limits = server_limits(base, report_dir, opts.engine_args)
+        first = _metrics_first(opts, base)
+        if first is not None:
+            report_dir = f"{base}/metrics"
+            limits = server_limits(base, report_dir, opts.engine_args, live=first.engine_config)
+        else:
+            report_dir = opts.report_dir or settings.value("VLLM_OVERLAY_REPORT_DIR")
+            limits = server_limits(base, report_dir, opts.engine_args)
     lo, hi = opts.band or default_band(limits.max_num_batched_tokens)
+    if not opts.model and first is not None:
+        _check_band_edges(lo, hi, first)
     plan = planmod.make_plan(lo, hi, limits, opts.min_band_forwards, opts.requests)
     out.line(f"plan: {plan.describe()}")
     out.line(f"limits: max_num_batched_tokens {limits.max_num_batched_tokens}, max_model_len "
-             f"{limits.max_model_len}, max_num_seqs {limits.max_num_seqs}; reports: {report_dir}")
+             f"{limits.max_model_len}, max_num_seqs {limits.max_num_seqs}; "
+             f"{'telemetry' if first is not None else 'reports'}: {report_dir}")
 
     boot_s = None
     since = time.time()
@@ -175,7 +185,7 @@ def _execute(opts: Options, out: Out) -> dict[str, Any]:
             llm = None
         boot_s = time.perf_counter() - t0
         before: dict[int, int] = {}
-    else:
+    elif first is None:
         before = merge_sizes(load(report_dir)) if os.path.isdir(report_dir) else {}
 
     out.line("one warm-up wave first (kernels compile on first use); the clock starts after it")
@@ -183,10 +193,14 @@ def _execute(opts: Options, out: Out) -> dict[str, Any]:
     with _Ticker(out, plan.waves) as tick:
         def after_warmup() -> None:
             # forwards of the warm-up wave are not the run's: snapshot telemetry once it has flushed
-            nonlocal before
+            nonlocal before, first
             tick.note(f"warm-up wave done after {time.perf_counter() - t_warm:.1f} s (decode streams started, "
                       "one wave served); timed waves start now")
-            before = merge_sizes(_read_reports(report_dir, since if not opts.model else None))
+            if first is not None:
+                time.sleep(2.5)  # the workers' reports flush within a second; /metrics reads them
+                first = metrics.scrape(base)
+            else:
+                before = merge_sizes(_read_reports(report_dir, since if not opts.model else None))
 
         t_warm = time.perf_counter()
         if opts.model:
@@ -198,13 +212,25 @@ def _execute(opts: Options, out: Out) -> dict[str, Any]:
 
             outcome = server.run(base, plan, opts.duration, opts.seed, tick,
                                  alive=lambda: server.health_error(base), after_warmup=after_warmup)
-    reports = _read_reports(report_dir, since if not opts.model else None)
-    sizes = sizes_delta(before, merge_sizes(reports))
-    result = judge(lo, hi, opts.min_band_forwards, sizes, outcome, reports)
-    budgets = [b["rows"] for r in reports for b in r.get("buffers", [])]
+    if first is None:
+        reports = _read_reports(report_dir, since if not opts.model else None)
+        sizes = sizes_delta(before, merge_sizes(reports))
+        budgets = [b["rows"] for r in reports for b in r.get("buffers", [])]
+        result = judge(lo, hi, opts.min_band_forwards, sizes, outcome, reports)
+    else:
+        reports, sizes, budgets, max_forward, exact = _read_metrics(base, first)
+        result = judge(lo, hi, opts.min_band_forwards, sizes, outcome, reports)
+        # /metrics has buckets, not sizes: `sizes` maps each bucket's upper edge to its forwards.
+        # The band count is exact (the band's edges are bucket edges, checked before traffic);
+        # the largest forward is exact when it grew during this run, else an upper bound (the
+        # smaller of its bucket's upper edge and the largest forward since the server started).
+        result["sizes_are_bucket_edges"] = True
+        result["max_forward_exact"] = exact
+        result["max_forward"] = max_forward
     cap = int(settings.value("VLLM_OVERLAY_PROFILE_RUN_CAP")) or None
     result.update({
         "mode": "offline" if opts.model else "server",
+        "telemetry": "metrics" if first is not None else "reports",
         "target": opts.model or opts.url,
         "plan": plan.to_json(),
         "limits": limits.__dict__,
@@ -233,6 +259,59 @@ def _execute(opts: Options, out: Out) -> dict[str, Any]:
     return result
 
 
+def _metrics_first(opts: Options, base: str) -> metrics.Scrape | None:
+    """The scrape of the server's /metrics before traffic, when the verdict is to come from it:
+    --telemetry metrics, or auto without --report-dir (a server in a container, on another host)."""
+    if opts.telemetry not in ("auto", "reports", "metrics"):
+        raise planmod.UsageError(f"--telemetry {opts.telemetry!r}: expected auto, reports or metrics")
+    if opts.telemetry == "reports" or (opts.telemetry == "auto" and opts.report_dir):
+        return None
+    if opts.telemetry == "metrics" and opts.report_dir:
+        raise planmod.UsageError("--telemetry metrics reads the server's /metrics; drop --report-dir DIR")
+    try:
+        scrape = metrics.scrape(base)
+    except OSError as exc:
+        if opts.telemetry == "metrics":
+            raise planmod.UsageError(f"--telemetry metrics: cannot read {base}/metrics: {exc}") from None
+        return None
+    if not scrape.found:
+        if opts.telemetry == "metrics":
+            raise planmod.UsageError(
+                f"--telemetry metrics: {base}/metrics has no vllm_overlay_ series (is the overlay, with "
+                "its prometheus-metrics patch, installed in the server's environment?)")
+        return None
+    return scrape
+
+
+def _check_band_edges(lo: int, hi: int, scrape: metrics.Scrape) -> None:
+    edges = sorted(scrape.buckets)
+    missing = [e for e in (lo, hi) if e and e not in scrape.buckets]
+    if missing:
+        near = sorted(edges, key=lambda e: abs(e - missing[0]))[:4]
+        raise planmod.UsageError(
+            f"--band {lo},{hi}: {', '.join(map(str, missing))} is not a bucket edge of the server's "
+            f"{metrics.HIST} histogram, so /metrics cannot count the band exactly; nearest edges: "
+            f"{', '.join(map(str, sorted(near)))} (or pass --report-dir DIR for exact sizes)")
+
+
+def _read_metrics(base: str, before: metrics.Scrape
+                  ) -> tuple[list[dict[str, Any]], dict[int, int], list[int], int | None, bool]:
+    """(process records, forwards per bucket edge, GDN buffer rows, the largest forward of this
+    run, whether that is exact)."""
+    time.sleep(2.5)  # the serving processes flush their reports every second
+    try:
+        after = metrics.scrape(base)
+    except OSError:
+        return [], {}, [], None, False  # the server is gone: the outcome already says why
+    procs = []
+    for pid, proc in after.processes.items():
+        procs.append({**proc, "_path": f"{base}/metrics (pid {pid})"})
+    sizes = after.sizes_since(before)
+    if after.max_forward > before.max_forward:
+        return procs, sizes, after.buffer_rows, after.max_forward, True
+    return procs, sizes, after.buffer_rows, min(max(sizes), after.max_forward) if sizes else None, False
+
+
 def _read_reports(report_dir: str, since: float | None) -> list[dict[str, Any]]:
     # the serving processes flush every second and at exit; give them two flush periods
     time.sleep(2.5)
@@ -246,12 +325,18 @@ def _shutdown(llm: Any) -> None:
         pass
 
 
-def server_limits(base: str, report_dir: str, engine_args: dict[str, Any]) -> planmod.Limits:
-    """The server's limits: from its worker reports (the live config), else the CLI's flags."""
-    live: dict[str, Any] = {}
-    if os.path.isdir(report_dir):
+def server_limits(base: str, report_dir: str, engine_args: dict[str, Any],
+                  live: dict[str, Any] | None = None) -> planmod.Limits:
+    """The server's limits: from its worker reports or its /metrics (the live config), else the
+    CLI's flags."""
+    if live is not None:
+        live = dict(live)
+    elif os.path.isdir(report_dir):
+        live = {}
         for rep in sorted(load(report_dir), key=lambda r: r.get("written", 0)):
             live.update(rep.get("engine_config") or {})
+    else:
+        live = {}
 
     def pick(key: str) -> int:
         if engine_args.get(key):

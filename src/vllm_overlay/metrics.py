@@ -1,0 +1,303 @@
+"""The overlay's Prometheus series, served on vLLM's own /metrics.
+
+A collector in the API server process reads, at scrape time, the JSON reports of this server's
+processes (same VLLM_OVERLAY_REPORT_DIR, same VLLM_OVERLAY_SERVER_ID) and turns them into metric
+families. The engine core and the workers flush their reports every second while something
+changed, so the series trail the processes by about a second; there is no second HTTP server,
+and nothing depends on prometheus_client's multiprocess files: every API server process of a
+multi-process server (api-server-count > 1, PROMETHEUS_MULTIPROC_DIR set) computes the same
+values from the same files. In that mode /metrics is answered from a registry built for each
+request around prometheus_client's MultiProcessCollector (prometheus-fastapi-instrumentator's
+handler), so the collector is added wherever a MultiProcessCollector is created, and to the
+default registry that a single API server serves (patch prometheus-metrics).
+
+Series (all prefixed ``vllm_overlay_``):
+
+- ``forward_scheduled_tokens`` histogram: scheduled tokens per real model forward, summed over
+  the server's engines, tensor-parallel rank 0 only (the other ranks run the same forwards).
+  Buckets: every power of two from 1 to 2**20, plus this server's own band edges
+  (max_num_batched_tokens and half of it, the profile cap, the explicit token budgets, the GDN
+  buffer rows), so that the forwards in the stress harness's default band are an exact
+  difference of two buckets. Exact per-size counts stay in the JSON reports: one series per
+  size would be thousands of series.
+- ``forward_max_scheduled_tokens`` gauge: the largest real forward since the server started.
+- ``guard_checks_total`` / ``guard_trips_total`` counters, per process (``role``, ``pid``).
+- ``gdn_buffer_rows`` / ``gdn_buffer_bytes`` gauges, per buffer and process.
+- ``patch_info`` (``patch``, ``status``, ``role``, ``pid``): one series per patch and process.
+- ``engine_config_info``: the live limits the workers saw, and the server id.
+- ``processes``: how many overlay processes of this server reported, by role.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import threading
+import urllib.request
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_overlay import settings
+from vllm_overlay.report import LOG, STATE
+from vllm_overlay.telemetry import merge_sizes
+
+PREFIX = "vllm_overlay_"
+POW2_EDGES: tuple[int, ...] = tuple(2**i for i in range(21))  # 1 .. 1048576 (TOKEN_MAX)
+HIST = PREFIX + "forward_scheduled_tokens"
+
+
+# ---- the serving side: reports -> metric families -------------------------------------------
+
+
+class ReportCache:
+    """Parsed reports of one directory, re-read only when a file changed."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._files: dict[str, tuple[int, int, dict[str, Any] | None]] = {}
+
+    def reports(self, directory: str, server: str | None) -> list[dict[str, Any]]:
+        out = []
+        with self._lock:
+            seen = set()
+            for path in glob.glob(os.path.join(directory, "overlay-*.json")):
+                seen.add(path)
+                try:
+                    st = os.stat(path)
+                except OSError:
+                    continue
+                cached = self._files.get(path)
+                if cached is None or cached[:2] != (st.st_mtime_ns, st.st_size):
+                    try:
+                        with open(path) as f:
+                            rep = json.load(f)
+                    except (OSError, ValueError):
+                        rep = None  # being replaced right now: the next scrape reads it
+                    if rep is not None:
+                        rep["_path"] = path
+                    self._files[path] = (st.st_mtime_ns, st.st_size, rep)
+                    cached = self._files[path]
+                rep = cached[2]
+                if rep is not None and rep.get("server_id") == server:
+                    out.append(rep)
+            for gone in set(self._files) - seen:
+                del self._files[gone]
+        return sorted(out, key=lambda r: int(r.get("pid", 0)))
+
+
+def bucket_edges(reports: list[dict[str, Any]]) -> list[int]:
+    """Powers of two plus this server's own band edges (see the module docstring)."""
+    edges = set(POW2_EDGES)
+    for rep in reports:
+        mnbt = (rep.get("engine_config") or {}).get("max_num_batched_tokens")
+        if isinstance(mnbt, int) and mnbt > 0:
+            edges.update((mnbt, mnbt // 2))
+        edges.update(int(b["rows"]) for b in rep.get("buffers", []) if b.get("rows"))
+    for name in ("VLLM_OVERLAY_PROFILE_RUN_CAP", "VLLM_OVERLAY_PREALLOC_TOKEN_BUDGET",
+                 "VLLM_OVERLAY_GDN_MAX_BATCHED_TOKENS"):
+        try:
+            value = settings.value(name)
+        except Exception:  # noqa: BLE001 - a bad value stopped start-up already; not our job here
+            continue
+        if value:
+            edges.add(int(value))
+    return sorted(e for e in edges if e > 0)
+
+
+def families(reports: list[dict[str, Any]], server: str | None) -> Iterator[Any]:
+    from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
+                                        InfoMetricFamily)
+
+    from prometheus_client.utils import floatToGoString
+
+    sizes = merge_sizes(reports)
+    total = sum(sizes.values())
+    cumulative, acc, ordered = [], 0, sorted(sizes.items())
+    i = 0
+    for edge in bucket_edges(reports):
+        while i < len(ordered) and ordered[i][0] <= edge:
+            acc += ordered[i][1]
+            i += 1
+        cumulative.append((floatToGoString(edge), acc))  # "8192.0", as Prometheus 3 stores `le`
+    cumulative.append(("+Inf", total))
+    hist = HistogramMetricFamily(
+        HIST, "Scheduled tokens per real model forward (summed over engines, tensor-parallel rank 0 only).",
+        buckets=cumulative, sum_value=sum(s * c for s, c in sizes.items()))
+    yield hist
+    yield GaugeMetricFamily(PREFIX + "forward_max_scheduled_tokens",
+                            "The largest real model forward since the server started, in scheduled tokens.",
+                            value=max(sizes) if sizes else 0)
+
+    checks = CounterMetricFamily(PREFIX + "guard_checks", "Capacity guard checks before a model forward.",
+                                 labels=["role", "pid"])
+    trips = CounterMetricFamily(PREFIX + "guard_trips",
+                                "Capacity guard trips: a forward larger than the GDN buffer, refused.",
+                                labels=["role", "pid"])
+    rows = GaugeMetricFamily(PREFIX + "gdn_buffer_rows", "Token rows of a preallocated GDN output buffer.",
+                             labels=["role", "pid", "device", "dtype", "shape", "source"])
+    size = GaugeMetricFamily(PREFIX + "gdn_buffer_bytes", "Bytes of a preallocated GDN output buffer.",
+                             labels=["role", "pid", "device", "dtype", "shape", "source"])
+    info = InfoMetricFamily(PREFIX + "patch", "One series per patch and process: its status there.",
+                            labels=["patch", "status", "role", "pid"])
+    processes: dict[str, int] = {}
+    config: dict[str, str] = {}
+    for rep in reports:
+        role, pid = str(rep.get("role", "")), str(rep.get("pid", ""))
+        processes[role] = processes.get(role, 0) + 1
+        counters = rep.get("counters") or {}
+        checks.add_metric([role, pid], int(counters.get("guard_checks", 0)))
+        trips.add_metric([role, pid], int(counters.get("guard_trips", 0)))
+        for b in rep.get("buffers", []):
+            key = list(b.get("key") or []) + ["", "", "", ""]
+            labels = [role, pid, str(key[0]), str(key[1]), f"{key[2]}x{key[3]}", str(b.get("source", ""))]
+            rows.add_metric(labels, int(b.get("rows", 0)))
+            size.add_metric(labels, int(b.get("bytes", 0)))
+        for patch_id, rec in sorted((rep.get("patches") or {}).items()):
+            info.add_metric([patch_id, str(rec.get("status", "")), role, pid], {})
+        for k, v in (rep.get("engine_config") or {}).items():
+            if k != "unknown":
+                config[k] = str(v)
+        if rep.get("vllm_version"):
+            config.setdefault("vllm_version", str(rep["vllm_version"]))
+    yield from (checks, trips, rows, size, info)
+    cfg = InfoMetricFamily(PREFIX + "engine_config",
+                           "The live engine limits the workers saw, and the server id.",
+                           labels=["server_id"])
+    cfg.add_metric([server or ""], config)
+    yield cfg
+    procs = GaugeMetricFamily(PREFIX + "processes", "Overlay processes of this server that wrote a report.",
+                              labels=["role"])
+    for role, n in sorted(processes.items()):
+        procs.add_metric([role], n)
+    yield procs
+
+
+class OverlayCollector:
+    """A prometheus_client collector: this server's reports, read at every scrape."""
+
+    def __init__(self, directory: str | None = None, server: str | None = None) -> None:
+        self.directory = directory
+        self.server = server
+        self.cache = ReportCache()
+        self._warned = False
+
+    def describe(self) -> list[Any]:
+        return []  # no name checks at registration: our names never clash with vLLM's "vllm:" ones
+
+    def collect(self) -> Iterator[Any]:
+        server = self.server or settings.value("VLLM_OVERLAY_SERVER_ID")
+        try:
+            directory = self.directory or settings.value("VLLM_OVERLAY_REPORT_DIR")
+            reports = self.cache.reports(directory, server) if os.path.isdir(directory) else []
+            if self.directory is None and STATE.registered:  # this process: fresher than its file
+                own = STATE.to_json()
+                reports = [r for r in reports if r.get("pid") != own["pid"]] + [own]
+            out = list(families(reports, server))
+        except Exception as exc:  # noqa: BLE001 - never break vLLM's own /metrics
+            if not self._warned:
+                LOG.warning("the /metrics collector could not read the reports: %s: %s",
+                            type(exc).__name__, exc)
+                self._warned = True
+            return
+        yield from out
+
+
+_collector: OverlayCollector | None = None
+_attached: weakref.WeakSet[Any] = weakref.WeakSet()  # registries we added it to (some per request)
+_attach_lock = threading.Lock()
+
+
+def attach(registry: Any) -> bool:
+    """Register the one collector of this process on ``registry`` once; True when this call did."""
+    global _collector
+    with _attach_lock:
+        if registry in _attached:
+            return False
+        if _collector is None:
+            _collector = OverlayCollector()
+        registry.register(_collector)
+        _attached.add(registry)
+        return True
+
+
+def detach_all() -> None:
+    with _attach_lock:
+        for registry in list(_attached):
+            try:
+                registry.unregister(_collector)
+            except KeyError:
+                pass
+        _attached.clear()
+
+
+# ---- the reading side: /metrics text -> what the stress harness needs -----------------------
+
+
+@dataclass
+class Scrape:
+    buckets: dict[int, int] = field(default_factory=dict)  # cumulative count per finite `le`
+    count: int = 0
+    max_forward: int = 0
+    processes: dict[str, dict[str, Any]] = field(default_factory=dict)  # pid -> report-shaped dict
+    engine_config: dict[str, Any] = field(default_factory=dict)
+    buffer_rows: list[int] = field(default_factory=list)
+    found: bool = False  # any vllm_overlay_ series at all
+
+    def band(self, lo: int, hi: int) -> int:
+        """Forwards in (lo, hi] since the server started; both must be bucket edges (or lo 0)."""
+        return self.buckets[hi] - (self.buckets[lo] if lo else 0)
+
+    def sizes_since(self, before: Scrape) -> dict[int, int]:
+        """Forwards per bucket since ``before``, keyed by each bucket's upper edge (not exact sizes)."""
+        now, then = _per_bucket(self.buckets), _per_bucket(before.buckets)
+        return {e: now[e] - then.get(e, 0) for e in sorted(now) if now[e] - then.get(e, 0) > 0}
+
+
+def _per_bucket(cumulative: dict[int, int]) -> dict[int, int]:
+    out, prev = {}, 0
+    for edge in sorted(cumulative):
+        out[edge] = cumulative[edge] - prev
+        prev = cumulative[edge]
+    return out
+
+
+def parse(text: str) -> Scrape:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = Scrape()
+    for fam in text_string_to_metric_families(text):
+        if not fam.name.startswith(PREFIX):
+            continue
+        out.found = True
+        for s in fam.samples:
+            labels = s.labels
+            if s.name == HIST + "_bucket" and labels.get("le") != "+Inf":
+                out.buckets[int(float(labels["le"]))] = int(s.value)
+            elif s.name == HIST + "_count":
+                out.count = int(s.value)
+            elif s.name == PREFIX + "forward_max_scheduled_tokens":
+                out.max_forward = int(s.value)
+            elif s.name in (PREFIX + "guard_trips_total", PREFIX + "guard_checks_total"):
+                proc = _proc(out, labels)
+                proc["counters"][s.name[len(PREFIX):-len("_total")]] = int(s.value)
+            elif s.name == PREFIX + "patch_info":
+                _proc(out, labels)["patches"][labels["patch"]] = {"status": labels["status"]}
+            elif s.name == PREFIX + "gdn_buffer_rows":
+                out.buffer_rows.append(int(s.value))
+            elif s.name == PREFIX + "engine_config_info":
+                out.engine_config = {k: (int(v) if v.isdigit() else v) for k, v in labels.items()}
+    return out
+
+
+def _proc(out: Scrape, labels: dict[str, str]) -> dict[str, Any]:
+    return out.processes.setdefault(labels["pid"], {
+        "pid": int(labels["pid"]) if labels["pid"].isdigit() else labels["pid"], "role": labels["role"],
+        "patches": {}, "counters": {}, "_path": "/metrics"})
+
+
+def scrape(base: str, timeout: float = 30) -> Scrape:
+    with urllib.request.urlopen(f"{base}/metrics", timeout=timeout) as resp:
+        return parse(resp.read().decode())

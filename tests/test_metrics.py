@@ -1,0 +1,231 @@
+"""The overlay's series on vLLM's own /metrics: the collector and the text parser on report files
+(no engine), the hook on vLLM's registry in this process, and one real API server (CPU build,
+tiny model) scraped around two band stress runs: one judged from the report files, one from
+/metrics alone."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+
+import pytest
+
+from vllm_overlay import core, metrics
+from vllm_overlay.report import STATE
+from vllm_overlay.telemetry import in_band, merge_sizes
+
+
+def report(pid: int, server: str, sizes: dict[int, int], tp_rank: int | None = 0, **extra):  # type: ignore[no-untyped-def]
+    rep = {"pid": pid, "server_id": server, "role": f"engine core + worker rank {tp_rank}", "tp_rank": tp_rank,
+           "counters": {"guard_checks": sum(sizes.values()), "guard_trips": 0},
+           "buffers": [{"key": ["cpu", "torch.bfloat16", 4, 64], "rows": 3000, "source": "live", "bytes": 1536000,
+                        "layers": 3}],
+           "patches": {"forward-telemetry": {"status": "applied"}, "hybrid-turboquant": {"status": "failed"}},
+           "engine_config": {"max_num_batched_tokens": 3000, "max_model_len": 8192, "max_num_seqs": 32, "model": "m"},
+           "telemetry": {"forwards": {"sizes": {str(k): v for k, v in sizes.items()}}}}
+    rep.update(extra)
+    return rep
+
+
+def exposition(directory: str, server: str) -> str:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    reg = CollectorRegistry()
+    reg.register(metrics.OverlayCollector(str(directory), server))
+    return generate_latest(reg).decode()
+
+
+def write(directory, rep) -> None:  # type: ignore[no-untyped-def]
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, f"overlay-{rep['pid']}.json"), "w") as f:
+        json.dump(rep, f)
+
+
+def test_collector_reads_only_this_servers_reports(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    sizes = {1: 3, 1500: 2, 2000: 1, 3000: 4}
+    write(tmp_path, report(11, "srv-a", sizes))
+    write(tmp_path, report(12, "srv-a", sizes, tp_rank=1))  # the same forwards again: not counted
+    write(tmp_path, report(13, "srv-b", {2000: 50}))  # another server sharing the directory
+    text = exposition(tmp_path, "srv-a")
+    s = metrics.parse(text)
+    assert s.found and s.count == 10 and s.max_forward == 3000
+    # the server's own edges (mnbt 3000, half of it 1500, the buffer rows) are bucket edges
+    assert {1500, 3000, 1024, 2048} <= set(s.buckets)
+    assert s.band(1500, 3000) == in_band(sizes, 1500, 3000) == 5 and s.band(1024, 2048) == 3
+    assert 'vllm_overlay_forward_scheduled_tokens_sum 17003.0' in text
+    assert 'vllm_overlay_guard_trips_total{pid="11",role="engine core + worker rank 0"} 0.0' in text
+    assert 'vllm_overlay_patch_info{patch="hybrid-turboquant",pid="12",role="engine core + worker rank 1",' \
+           'status="failed"} 1.0' in text
+    assert 'vllm_overlay_gdn_buffer_bytes{' in text and s.buffer_rows == [3000, 3000]
+    assert s.engine_config["max_num_batched_tokens"] == 3000 and s.engine_config["server_id"] == "srv-a"
+    assert set(s.processes) == {"11", "12"}
+    # a file being replaced (not JSON yet) is skipped, not an error; a changed file is re-read
+    (tmp_path / "overlay-14.json").write_text("{")
+    write(tmp_path, report(11, "srv-a", {**sizes, 2048: 7}))
+    later = metrics.parse(exposition(tmp_path, "srv-a"))
+    assert later.band(1024, 2048) == 10 and later.sizes_since(s) == {2048: 7}
+
+
+def test_collector_never_breaks_the_scrape(tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
+    write(tmp_path, report(11, "srv-a", {5: 1}, buffers="not a list"))
+    text = exposition(tmp_path, "srv-a")
+    assert "vllm_overlay_" not in text
+    assert any("could not read the reports" in r.getMessage() for r in caplog.records)
+
+
+def test_no_reports_still_exports_zero_series(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    s = metrics.parse(exposition(tmp_path / "missing", "srv-a"))
+    assert s.found and s.count == 0 and s.buckets[1024] == 0 and s.processes == {}
+
+
+ROUTER = "vllm.entrypoints.serve.instrumentator.metrics"
+
+
+@pytest.fixture
+def overlay(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("VLLM_OVERLAY_REPORT_DIR", str(tmp_path / "reports"))
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    importlib.import_module(ROUTER)  # the module whose get_prometheus_registry() /metrics serves
+    core.revert()
+    STATE.reset()
+    yield
+    core.revert()
+    STATE.reset()
+
+
+def test_hook_adds_the_collector_to_the_registry_vllm_serves(overlay, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from prometheus_client import REGISTRY, generate_latest
+
+    router = importlib.import_module(ROUTER)
+    original = router.get_prometheus_registry
+    core.register()
+    assert STATE.patches["prometheus-metrics"]["status"] == "applied"
+    assert os.environ["VLLM_OVERLAY_SERVER_ID"]
+    # one API server: vLLM serves the default registry
+    assert router.get_prometheus_registry() is REGISTRY
+    text = generate_latest(REGISTRY).decode()
+    assert 'vllm_overlay_patch_info{patch="prometheus-metrics"' in text  # this process's own report
+    # api-server-count > 1: vLLM serves a fresh registry with the multiprocess collector
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path / "prom"))
+    os.makedirs(tmp_path / "prom")
+    multi = router.get_prometheus_registry()
+    assert multi is not REGISTRY and "vllm_overlay_processes" in generate_latest(multi).decode()
+    # ... and the handler that answers /metrics builds its own such registry for every request
+    # (prometheus-fastapi-instrumentator's expose())
+    assert "vllm_overlay_processes" in generate_latest(ephemeral()).decode()
+    core.revert()
+    assert router.get_prometheus_registry is original  # vLLM's function itself is never replaced
+    assert "vllm_overlay_" not in generate_latest(REGISTRY).decode()
+    assert "vllm_overlay_" not in generate_latest(ephemeral()).decode()
+
+
+def ephemeral():  # type: ignore[no-untyped-def]
+    from prometheus_client import CollectorRegistry, multiprocess
+
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry)
+    return registry
+
+
+def test_band_edges_must_be_bucket_edges() -> None:
+    from vllm_overlay.stress.plan import UsageError
+    from vllm_overlay.stress.run import _check_band_edges
+
+    s = metrics.Scrape(buckets={e: 0 for e in (512, 1024, 1500, 2048)})
+    _check_band_edges(1024, 2048, s)
+    _check_band_edges(0, 512, s)
+    with pytest.raises(UsageError, match="--band 1000,2048: 1000 is not a bucket edge .* nearest edges: 512, 1024"):
+        _check_band_edges(1000, 2048, s)
+
+
+def test_read_metrics_bounds_the_largest_forward(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from vllm_overlay.stress import run
+
+    before = metrics.Scrape(buckets={1024: 5, 2048: 5}, max_forward=2009)
+    after = metrics.Scrape(buckets={1024: 8, 2048: 20}, max_forward=2009,
+                           processes={"7": {"role": "worker rank 0", "patches": {}, "counters": {}}})
+    monkeypatch.setattr(run.time, "sleep", lambda s: None)
+    monkeypatch.setattr(run.metrics, "scrape", lambda base: after)
+    procs, sizes, _, largest, exact = run._read_metrics("http://x", before)
+    assert sizes == {1024: 3, 2048: 12} and (largest, exact) == (2009, False)
+    assert procs[0]["_path"] == "http://x/metrics (pid 7)"
+    after.max_forward = 2040  # grew during the run: exact
+    assert run._read_metrics("http://x", before)[3:] == (2040, True)
+
+
+# ---- one real API server ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):  # type: ignore[no-untyped-def]
+    from test_stress import Server
+
+    root = tmp_path_factory.mktemp("metrics-server")
+    os.makedirs(root / "prometheus-multiproc")
+    # PROMETHEUS_MULTIPROC_DIR set: vLLM serves the registry it builds for api-server-count > 1
+    s = Server(root, env={"PROMETHEUS_MULTIPROC_DIR": str(root / "prometheus-multiproc")})
+    try:
+        s.wait_healthy()
+        yield s, root
+    finally:
+        s.kill()
+
+
+@pytest.mark.engine
+def test_metrics_match_the_reports_in_both_directions(served) -> None:  # type: ignore[no-untyped-def]
+    from conftest import load_reports
+    from test_stress import stress
+
+    server, root = served
+    import time
+
+    deadline = time.time() + 10  # the worker's buffer reaches its report within a flush period
+    while not (before := metrics.scrape(server.url)).buffer_rows and time.time() < deadline:
+        time.sleep(0.5)
+    assert before.found, "no vllm_overlay_ series on /metrics"
+    roles = {p["role"]: p["patches"] for p in before.processes.values()}
+    assert roles["api server"]["prometheus-metrics"]["status"] == "applied", roles
+    worker = next(p for r, p in roles.items() if "worker rank 0" in r)
+    assert worker["forward-telemetry"]["status"] == "applied" and worker["gdn-output-prealloc"]["status"] == "applied"
+    assert before.engine_config["max_num_batched_tokens"] == 2048 and before.buffer_rows == [2048]
+    assert {1024, 2048} <= set(before.buckets)
+
+    # 1: judged from the report files; /metrics must count the same band forwards
+    p = stress(["--url", server.url, "--report-dir", server.reports, "--band", "1024,2048",
+                "--min-band-forwards", "10", "--out", str(root / "out-reports")])
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:] + server.text()[-3000:]
+    by_reports = json.load(open(root / "out-reports" / "stress.json"))
+    time.sleep(2.5)  # one flush period and more
+    middle = metrics.scrape(server.url)
+    assert by_reports["telemetry"] == "reports"
+    assert middle.band(1024, 2048) - before.band(1024, 2048) == by_reports["band_forwards"] >= 10
+    assert middle.count - before.count == by_reports["forwards"]
+    assert middle.max_forward == by_reports["max_forward"]
+
+    # 2: no report directory (as from a container): the verdict comes from /metrics alone
+    sizes_before = merge_sizes(load_reports(server.reports))
+    p = stress(["--url", server.url, "--band", "1024,2048", "--min-band-forwards", "10",
+                "--out", str(root / "out-metrics")])
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
+    by_metrics = json.load(open(root / "out-metrics" / "stress.json"))
+    time.sleep(2.5)
+    sizes_after = merge_sizes(load_reports(server.reports))
+    delta = {s: c - sizes_before.get(s, 0) for s, c in sizes_after.items() if c > sizes_before.get(s, 0)}
+    assert by_metrics["telemetry"] == "metrics" and by_metrics["verdict"] == by_reports["verdict"] == "PASSED"
+    assert by_metrics["band_forwards"] == in_band(delta, 1024, 2048) >= 10
+    assert by_metrics["forwards"] == sum(delta.values())
+    assert by_metrics["limits"]["max_num_batched_tokens"] == 2048 and by_metrics["gdn_buffer_rows"] == 2048
+    assert by_metrics["guard_trips"] == 0 and by_metrics["worker_roles"]
+    assert 1024 < by_metrics["max_forward"] <= 2048
+
+    # vLLM's own series are still served next to ours
+    import urllib.request
+
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    assert "vllm:" in text and "vllm_overlay_guard_trips_total" in text
+
+    # a band /metrics cannot count exactly is refused before any traffic
+    p = stress(["--url", server.url, "--band", "1000,2048", "--out", str(root / "out-bad")])
+    assert p.returncode == 2 and "not a bucket edge" in p.stdout, p.stdout[-2000:]

@@ -358,11 +358,12 @@ def _dummy_run(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[
 
 
 def on_revert() -> None:
+    dropped: list[Any] = []  # the buffers die after the lock is released: their finalizer takes it
     with _lock:
         for ref in _layers:
             layer = ref()
             if layer is not None and ATTR in layer.__dict__:
-                del layer.__dict__[ATTR]
+                dropped.append(layer.__dict__.pop(ATTR))
         _layers.clear()
         _pool.clear()
         _sizes.clear()

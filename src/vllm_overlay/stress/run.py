@@ -8,11 +8,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
 from vllm_overlay import metrics, settings
 from vllm_overlay.budget import BUDGET_SETTINGS
 from vllm_overlay.output import Out
+from vllm_overlay.progress import Ticker
 from vllm_overlay.reports import load
 from vllm_overlay.stress import plan as planmod
 from vllm_overlay.stress.plot import forward_sizes_png
@@ -84,43 +83,6 @@ def make_out_dir(path: str) -> None:
             f.write("# written by vllm-overlay: run outputs, not sources\n*\n")
 
 
-class _Ticker:
-    """A progress bar on a terminal; elsewhere a plain line every 10% of the waves or 30 s."""
-
-    def __init__(self, out: Out, total: int) -> None:
-        self.out, self.total, self.t0, self.last = out, total, time.perf_counter(), (0, time.perf_counter())
-        self.progress: Progress | None = None
-        if not out.plain:
-            self.progress = Progress(TextColumn("[bold]band waves"), BarColumn(), MofNCompleteColumn(),
-                                     TimeElapsedColumn(), console=out.console, transient=False)
-            self.task = self.progress.add_task("waves", total=total)
-
-    def __enter__(self) -> _Ticker:
-        if self.progress is not None:
-            self.progress.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.progress is not None:
-            self.progress.__exit__(*exc)
-
-    def note(self, text: str) -> None:
-        if self.progress is not None:
-            self.progress.console.print(text, markup=False, highlight=False)
-        else:
-            self.out.line(text)
-
-    def __call__(self, done: int, total: int) -> None:
-        if self.progress is not None:
-            self.progress.update(self.task, completed=done, total=total)
-            return
-        now = time.perf_counter()
-        step = max(1, total // 10)
-        if done == total or done - self.last[0] >= step or now - self.last[1] >= 30:
-            self.out.line(f"band waves: {done}/{total} ({now - self.t0:.1f} s)")
-            self.last = (done, now)
-
-
 def _limits_offline(engine_args: dict[str, Any]) -> planmod.Limits:
     """The plan's limits; the engine gets the same values, so the two can never disagree."""
     engine_args.setdefault("max_num_batched_tokens", 8192)
@@ -190,7 +152,7 @@ def _execute(opts: Options, out: Out) -> dict[str, Any]:
 
     out.line("one warm-up wave first (kernels compile on first use); the clock starts after it")
 
-    with _Ticker(out, plan.waves) as tick:
+    with Ticker(out, plan.waves, "band waves") as tick:
         def after_warmup() -> None:
             # forwards of the warm-up wave are not the run's: snapshot telemetry once it has flushed
             nonlocal before, first

@@ -16,7 +16,7 @@ from typing import Any
 
 from vllm_overlay.output import Out
 from vllm_overlay.tune import space
-from vllm_overlay.tune.progress import Ticker
+from vllm_overlay.progress import Ticker
 from vllm_overlay.tune.space import Shape
 from vllm_overlay.tune.state import TuneState, atomic_write_json
 

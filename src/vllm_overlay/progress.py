@@ -1,4 +1,5 @@
-"""Progress of a tuning run: a bar on a terminal; in a pipe or a log a plain line every 10 % or 30 s."""
+"""Progress of long work (stress waves, tuning): a bar on a terminal; in a pipe or a log a plain
+line every 10 % or 30 s."""
 
 from __future__ import annotations
 
@@ -37,11 +38,15 @@ class Ticker:
             self.out.line(text)
 
     def advance(self, n: int = 1) -> None:
-        self.done += n
+        self(self.done + n, self.total)
+
+    def __call__(self, done: int, total: int) -> None:
+        """``done`` of ``total`` finished (the callback the stress runners call)."""
+        self.done, self.total = done, total
         if self.progress is not None:
-            self.progress.update(self.task, completed=self.done)
+            self.progress.update(self.task, completed=done, total=total)
             return
         now = time.perf_counter()
-        if self.done >= self.total or self.done - self.last[0] >= max(1, self.total // 10) or now - self.last[1] >= 30:
-            self.out.line(f"{self.label}: {self.done}/{self.total} ({now - self.t0:.1f} s)")
-            self.last = (self.done, now)
+        if done >= total or done - self.last[0] >= max(1, total // 10) or now - self.last[1] >= 30:
+            self.out.line(f"{self.label}: {done}/{total} ({now - self.t0:.1f} s)")
+            self.last = (done, now)

@@ -204,11 +204,41 @@ def test_import_has_no_side_effects() -> None:
 def test_install_that_installs_nothing_is_not_applied(overlay, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     real = core.installmech.install
 
-    def install(spec, module, module_name, version):  # type: ignore[no-untyped-def]
-        return [] if spec.id == "compile-cache-key" else real(spec, module, module_name, version)
+    def install(spec, module, module_name, version, platform=None):  # type: ignore[no-untyped-def]
+        return [] if spec.id == "compile-cache-key" else real(spec, module, module_name, version, platform)
 
     monkeypatch.setattr(core.installmech, "install", install)
     core.register()
     rec = STATE.patches["compile-cache-key"]
     assert rec["status"] == "failed" and "installed nothing" in rec["reason"]
     assert "compile-cache-key" not in core.active_ids()
+
+
+def test_a_target_for_one_platform_is_pending_only_there() -> None:
+    """A module only one vLLM build imports (the CPU worker's) must not leave a patch armed on the
+    other: Target.platform limits where it is installed; verify still checks it everywhere."""
+    from vllm_overlay.spec import PatchSpec, Support, Target
+
+    spec = PatchSpec(id="p", title="t", why="w", upstream="u", mechanism="wrap", default=True, retire_when="r",
+                     support=(Support(">=0.20.0", "applies", "x"),),
+                     targets=(Target("m.cuda_mod", "A.f", wrapper="_w", platform="cuda"),
+                              Target("m.cpu_mod", "B.f", wrapper="_w", platform="cpu"),
+                              Target("m.both", "C.f", wrapper="_w")))
+    assert spec.modules("0.32.0", "cuda") == ["m.both", "m.cuda_mod"]
+    assert spec.modules("0.32.0", "cpu") == ["m.both", "m.cpu_mod"]
+    assert spec.modules("0.32.0") == ["m.both", "m.cpu_mod", "m.cuda_mod"]
+    with pytest.raises(ValueError, match="Target.platform='rocm'"):
+        Target("m", "A.f", wrapper="_w", platform="rocm")
+
+
+def test_disabled_by_turns_a_default_on_patch_off_with_its_setting_named() -> None:
+    from vllm_overlay.spec import PatchSpec, Support, Target
+
+    kw = dict(id="p", title="t", why="w", upstream="u", mechanism="wrap", retire_when="r",
+              support=(Support(">=0.20.0", "applies", "x"),), targets=(Target("m", "A.f", wrapper="_w"),))
+    with pytest.raises(ValueError, match="disabled_by turns off a default-on patch"):
+        PatchSpec(default=False, disabled_by="VLLM_OVERLAY_STRICT", **kw)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="exclusive"):
+        PatchSpec(default=True, disabled_by="VLLM_OVERLAY_STRICT", enabled_by="VLLM_OVERLAY_STRICT", **kw)  # type: ignore[arg-type]
+    spec = PatchSpec(default=True, disabled_by="VLLM_OVERLAY_TEST_GUARD", **kw)  # type: ignore[arg-type]
+    assert spec.default_text() == "on (off when `VLLM_OVERLAY_TEST_GUARD`=0)"

@@ -97,6 +97,10 @@ def decide(
         if spec.id in disable:
             out[spec.id] = Decision(spec, "off", "disabled by VLLM_OVERLAY_DISABLE")
             continue
+        if spec.disabled_by and not settings.value(spec.disabled_by, environ):
+            raw = settings.resolve(spec.disabled_by, environ).raw
+            out[spec.id] = Decision(spec, "off", f"{spec.disabled_by}={raw} turns it off")
+            continue
         if spec.id in enable:
             wanted[spec.id] = "enabled by VLLM_OVERLAY_ENABLE"
         elif spec.enabled_by and settings.value(spec.enabled_by, environ):
@@ -137,7 +141,7 @@ def decide(
         elif row is None or row.status == "unsupported":
             why_not = row.reason if row else "no support row covers it"
             out[spec.id] = Decision(spec, "skipped", f"unsupported on vLLM {inst.version}: {why_not}")
-        elif not spec.modules(inst.version):
+        elif not spec.modules(inst.version, inst.platform):
             out[spec.id] = Decision(
                 spec, "skipped", f"the support matrix says it applies on vLLM {inst.version}, but the "
                 "spec records no target or rewrite for it (a data error: run `vllm-overlay verify`)"
@@ -239,7 +243,7 @@ def _make_hook(active: Active, module_name: str, strict: bool) -> Any:
             try:
                 with wrapmech.installing(active.spec.id):
                     installed = installmech.install(active.spec, active.module, module_name,
-                                                    STATE.vllm_version or "")
+                                                    STATE.vllm_version or "", STATE.platform)
             except Exception as exc:  # noqa: BLE001
                 _fail(active, exc, strict)
                 return
@@ -300,6 +304,10 @@ def register() -> None:
         for d in decisions:
             if d.status != "planned":
                 STATE.set_patch(d.spec.id, d.status, reason=d.reason)
+                if d.status == "off" and d.spec.disabled_by and d.reason.startswith(d.spec.disabled_by):
+                    # a safety patch turned off by its own setting: said in every process, once
+                    LOG.warning("patch %s off: %s (%s)", d.spec.id, d.reason,
+                                settings.BY_NAME[d.spec.disabled_by].accepted)
                 if d.status == "skipped":  # wanted, but cannot apply here
                     if strict:
                         raise StrictModeError(
@@ -308,7 +316,7 @@ def register() -> None:
                     LOG.warning("patch %s skipped: %s", d.spec.id, d.reason)
                 continue
             module = modules[d.spec.id]
-            active = Active(d.spec, module, pending=set(d.spec.modules(inst.version)))
+            active = Active(d.spec, module, pending=set(d.spec.modules(inst.version, inst.platform)))
             _ACTIVE[d.spec.id] = active
             STATE.set_patch(d.spec.id, "armed", reason=d.reason, pending_modules=sorted(active.pending))
             for module_name in sorted(active.pending):

@@ -15,9 +15,7 @@ def patches_table() -> str:
     rows = ["| id | default | platforms | mechanism | applies on | upstream-merged on | what it does |",
             "|---|---|---|---|---|---|---|"]
     for s in matrix.specs():
-        default = "on" if s.default and not s.enabled_by else "off"
-        if s.enabled_by:
-            default += f" (on when `{s.enabled_by}` > 0)"
+        default = s.default_text()
         merged = [v for v in versions.RELEASES if (r := s.support_for(v)) and r.status == "upstream-merged"]
         rows.append(f"| `{s.id}` | {default} | {', '.join(s.platforms)} | {s.mechanism} | {s.vllm} | "
                     f"{versions.compact(merged) or '-'} | {s.title} |")

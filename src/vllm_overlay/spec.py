@@ -20,7 +20,9 @@ class Target:
     ``wrapper`` names the function of the patch module that wraps it (wrapt signature
     ``(wrapped, instance, args, kwargs)``); a target without one is changed by a source rewrite
     recorded in ``PatchSpec.rewrites``. ``params`` are the parameters the wrapper reads by name:
-    the support sweep checks them in every release's source.
+    the support sweep checks them in every release's source. ``platform`` limits the target to one
+    vLLM build ("cuda" or "cpu"; "" = every platform of the patch): a module only that build imports
+    (e.g. the CPU worker's) would otherwise leave the patch armed forever on the other.
     """
 
     module: str
@@ -28,12 +30,21 @@ class Target:
     vllm: str = ""  # PEP 440 specifier; "" = every release the patch applies on
     wrapper: str | None = None
     params: tuple[str, ...] = ()
+    platform: str = ""
+
+    def __post_init__(self) -> None:
+        if self.platform not in ("", "cuda", "cpu"):
+            raise ValueError(f"Target.platform={self.platform!r}: expected '', 'cuda' or 'cpu'")
 
     def __str__(self) -> str:
         return f"{self.module}:{self.qualname}"
 
     def applies_to(self, version: str) -> bool:
         return not self.vllm or Version(version) in SpecifierSet(self.vllm)
+
+    def on_platform(self, platform: str | None) -> bool:
+        """True where this target is installed: every platform when ``platform`` is None."""
+        return platform is None or not self.platform or self.platform == platform
 
 
 @dataclass(frozen=True)
@@ -113,6 +124,7 @@ class PatchSpec:
     settings: tuple[str, ...] = ()  # names of the settings it reads
     platforms: tuple[str, ...] = ("cuda", "cpu")
     enabled_by: str | None = None  # a setting whose non-zero value turns the patch on
+    disabled_by: str | None = None  # a setting whose value 0 turns a default-on patch off
     changes_traced_code: bool = False  # must change vLLM's compile-cache key
     rewrites: tuple[Rewrite, ...] = field(default=())
 
@@ -123,6 +135,10 @@ class PatchSpec:
             raise ValueError(
                 f"PatchSpec.mechanism={self.mechanism!r}: expected 'wrap', 'rewrite' or 'wrap+rewrite'"
             )
+        if self.enabled_by and self.disabled_by:
+            raise ValueError(f"PatchSpec {self.id!r}: enabled_by and disabled_by are exclusive")
+        if self.disabled_by and not self.default:
+            raise ValueError(f"PatchSpec {self.id!r}: disabled_by turns off a default-on patch; default=False")
         rewritten = {(rw.target.module, rw.target.qualname) for rw in self.rewrites}
         for t in self.targets:
             if t.wrapper is None and (t.module, t.qualname) not in rewritten:
@@ -151,13 +167,24 @@ class PatchSpec:
 
         return compact(self.applies_on()) or "none"
 
-    def wrap_targets(self, version: str) -> tuple[Target, ...]:
-        return tuple(t for t in self.targets if t.wrapper is not None and t.applies_to(version))
+    def wrap_targets(self, version: str, platform: str | None = None) -> tuple[Target, ...]:
+        """The wrapped targets on ``version`` (on ``platform``; every platform's when None)."""
+        return tuple(t for t in self.targets
+                     if t.wrapper is not None and t.applies_to(version) and t.on_platform(platform))
 
     def rewrites_for(self, version: str) -> tuple[Rewrite, ...]:
         return tuple(rw for rw in self.rewrites if rw.version == version)
 
-    def modules(self, version: str) -> list[str]:
-        """The vLLM modules whose import installs this patch on ``version``."""
-        mods = [t.module for t in self.wrap_targets(version)] + [rw.target.module for rw in self.rewrites_for(version)]
+    def modules(self, version: str, platform: str | None = None) -> list[str]:
+        """The vLLM modules whose import installs this patch on ``version`` (and ``platform``)."""
+        mods = ([t.module for t in self.wrap_targets(version, platform)]
+                + [rw.target.module for rw in self.rewrites_for(version) if rw.target.on_platform(platform)])
         return sorted(set(mods))
+
+    def default_text(self) -> str:
+        """The default in words, for the README and `plan --ledger`."""
+        if self.enabled_by:
+            return f"off (on when `{self.enabled_by}` > 0)"
+        if self.disabled_by:
+            return f"on (off when `{self.disabled_by}`=0)"
+        return "on" if self.default else "off"

@@ -39,12 +39,12 @@ def run(args: argparse.Namespace) -> int:
             out.heading(f"{s.id}: {s.title}")
             out.line(f"why: {s.why}")
             out.line(f"upstream: {s.upstream}")
-            out.line(f"default: {'on' if s.default else 'off'}"
-                     + (f" (on when {s.enabled_by} > 0)" if s.enabled_by else ""))
+            out.line(f"default: {s.default_text().replace('`', '')}")
             out.line(f"requires: {', '.join(s.requires) or '-'}; conflicts: {', '.join(s.conflicts) or '-'}")
             out.line(f"settings: {', '.join(s.settings) or '-'}")
             for t in s.targets:
-                out.line(f"target: {t}" + (f" (vLLM {t.vllm})" if t.vllm else ""))
+                out.line(f"target: {t}" + (f" (vLLM {t.vllm})" if t.vllm else "")
+                         + (f" ({t.platform} only)" if t.platform else ""))
             for row in s.support:
                 out.line(f"vLLM {row.vllm}: {row.status}: {row.reason}")
             out.line(f"retire when: {s.retire_when}")

@@ -15,16 +15,17 @@ from vllm_overlay.mechanisms import rewrite, wrap
 from vllm_overlay.spec import PatchSpec
 
 
-def install(spec: PatchSpec, patch_module: ModuleType, module_name: str, version: str) -> list[wrap.Installed]:
+def install(spec: PatchSpec, patch_module: ModuleType, module_name: str, version: str,
+            platform: str | None = None) -> list[wrap.Installed]:
     out: list[wrap.Installed] = []
     prepare = getattr(patch_module, "prepare", None)
     try:
         if callable(prepare):
             prepare(module_name)
         for rw in spec.rewrites_for(version):
-            if rw.target.module == module_name:
+            if rw.target.module == module_name and rw.target.on_platform(platform):
                 out.append(rewrite.apply(rw, spec.id))
-        for t in spec.wrap_targets(version):
+        for t in spec.wrap_targets(version, platform):
             if t.module != module_name:
                 continue
             assert t.wrapper is not None

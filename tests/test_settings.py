@@ -13,6 +13,8 @@ def test_defaults() -> None:
     assert settings.value("VLLM_OVERLAY_STRICT", {}) is False
     assert settings.value("VLLM_OVERLAY_PROFILE_RUN_CAP", {}) == 0
     assert settings.value("VLLM_OVERLAY_PREALLOC_TOKEN_BUDGET", {}) is None
+    assert settings.value("VLLM_OVERLAY_MEMORY_HEADROOM", {}) is True
+    assert settings.value("VLLM_OVERLAY_MEMORY_HEADROOM", {"VLLM_OVERLAY_MEMORY_HEADROOM": "0"}) is False
     assert settings.resolve("VLLM_OVERLAY_ENABLE", {}).source == "default"
     assert settings.value("VLLM_OVERLAY_REPORT_DIR", {}).endswith("vllm-overlay-reports")
 
@@ -31,6 +33,8 @@ def test_defaults() -> None:
         ("VLLM_OVERLAY_ENABLE", "gdn_output!", "VLLM_OVERLAY_ENABLE='gdn_output!'"),
         ("VLLM_OVERLAY_TEST_BUFFER_ROWS", "x", "VLLM_OVERLAY_TEST_BUFFER_ROWS='x'"),
         ("VLLM_OVERLAY_TEST_GUARD", "off-ish", "VLLM_OVERLAY_TEST_GUARD='off-ish'"),
+        ("VLLM_OVERLAY_MEMORY_HEADROOM", "512MiB",
+         "VLLM_OVERLAY_MEMORY_HEADROOM='512MiB': expected 1 or 0 (0 turns the correction off: UNSAFE"),
     ],
 )
 def test_bad_values_name_variable_value_and_range(name: str, raw: str, expected: str) -> None:

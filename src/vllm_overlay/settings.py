@@ -156,6 +156,18 @@ SETTINGS: tuple[Setting, ...] = (
         aliases=("GENESIS_PROFILE_RUN_CAP_M",),
     ),
     Setting(
+        "VLLM_OVERLAY_MEMORY_HEADROOM", _bool, True,
+        "1 or 0 (0 turns the correction off: UNSAFE, the KV cache may take memory a forward of "
+        "max_num_batched_tokens needs)",
+        "memory-headroom: after vLLM's memory profiling and before the KV cache is allocated, each "
+        "worker measures the peak of a forward of max_num_batched_tokens tokens with real attention "
+        "metadata and takes any shortfall against the profiled peak from the KV cache (one line, "
+        "report fields). 0 turns that off: vLLM then sizes the KV cache from its profiling forward "
+        "alone, which on hybrid models misses the GDN and attention temporaries (and, with "
+        "VLLM_OVERLAY_PROFILE_RUN_CAP, every forward above the cap), so a long prompt can run out "
+        "of memory under traffic.",
+    ),
+    Setting(
         "VLLM_OVERLAY_PREFILL_CHUNK_CLAMP", _int_range(0, TOKEN_MAX), 0,
         f"an integer in [0, {TOKEN_MAX}] (0 disables the clamp)",
         "Bounds one request's prefill chunk per step (vLLM's long_prefill_token_threshold). It "

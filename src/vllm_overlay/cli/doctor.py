@@ -31,9 +31,17 @@ def findings(mnbt: int | None, environ: dict[str, str] | None = None) -> list[tu
     if r["VLLM_OVERLAY_TEST_BUFFER_ROWS"].is_set:
         out.append(("error", f"VLLM_OVERLAY_TEST_BUFFER_ROWS={r['VLLM_OVERLAY_TEST_BUFFER_ROWS'].value}: "
                     "the GDN buffer size is forced (test only), bypassing the token-budget resolver"))
+    headroom = bool(r["VLLM_OVERLAY_MEMORY_HEADROOM"].value)
+    if not headroom:
+        out.append(("warning", "VLLM_OVERLAY_MEMORY_HEADROOM=0: unsafe; the KV cache is sized from vLLM's "
+                    "profiling forward alone, which misses the GDN and attention temporaries of a real "
+                    "forward of max_num_batched_tokens (memory-headroom is off)"))
     if cap:
         out.append(("info", f"VLLM_OVERLAY_PROFILE_RUN_CAP={cap}: not needed for the GDN boot crash "
-                    "(the overlay sizes the buffer itself); activations above the cap are not profiled"))
+                    "(the overlay sizes the buffer itself); activations above the cap are not profiled"
+                    + ("; memory-headroom measures a forward of max_num_batched_tokens before the KV "
+                       "cache is sized" if headroom else ", and with VLLM_OVERLAY_MEMORY_HEADROOM=0 "
+                       "nothing measures them")))
     if mnbt is None:
         if budget.is_set or cap or clamp:
             out.append(("info", "pass --max-num-batched-tokens N to check budget, cap and clamp against it"))

@@ -6,6 +6,7 @@ PATCH_MODULES: tuple[str, ...] = (
     "vllm_overlay.patches.compile_cache_key",
     "vllm_overlay.patches.gdn_output_prealloc",
     "vllm_overlay.patches.profile_run_cap",
+    "vllm_overlay.patches.memory_headroom",
     "vllm_overlay.patches.prefill_chunk_clamp",
     "vllm_overlay.patches.hybrid_turboquant",
     "vllm_overlay.patches.turboquant_spec_decode",

@@ -41,6 +41,10 @@ def print_reports(out: Out, reports: list[dict[str, Any]]) -> None:
         for b in r.get("buffers", []):
             out.line(f"pid {r['pid']}: GDN buffer {b['key']} {b['rows']} rows from {b['source']} "
                      f"({b['bytes'] / 2**20:.1f} MiB, {b['layers']} layers)" + (" freed" if b.get("freed") else ""))
+        for h in r.get("patches", {}).get("memory-headroom", {}).get("headroom", []):
+            out.line(f"pid {r['pid']}: memory-headroom at {h['tokens']} tokens: profiled peak "
+                     f"{h['profiled_peak'] / 2**30:.3f} GiB, measured {h['measured_peak'] / 2**30:.3f} GiB, moved "
+                     f"{h['moved'] / 2**30:.3f} GiB; KV tokens {h['kv_tokens_before']} -> {h['kv_tokens_after']}")
         for shape, source in sorted(r.get("patches", {}).get("moe-configs", {}).get("moe_configs", {}).items()):
             out.line(f"pid {r['pid']}: fused-MoE config {shape}: {source}")
         for e in r.get("events", [])[-10:]:

@@ -1,0 +1,160 @@
+"""memory-headroom in the worker: what it measures, where it stands aside (loudly), and, with a real
+vLLM CPU engine, that the KV cache vLLM allocates is the corrected one.
+
+The CPU worker sizes its KV cache from the resident set (requested memory - VmRSS after its
+warm-up, which runs a profiling forward only under torch.compile); the patch meters the same
+resident set (VmHWM reset through /proc/self/clear_refs). The CUDA meter (allocator bytes) and
+CUDA graph capture cannot run here: bench/memory_headroom_h200.py measures them on the H200.
+"""
+
+from __future__ import annotations
+
+import re
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import worker_report
+from vllm_overlay import core, versions
+from vllm_overlay.patches import memory_headroom as mh
+from vllm_overlay.report import STATE
+
+
+def test_rss_meter_reads_and_resets_the_peak_of_this_process() -> None:
+    m = mh.RssMeter()
+    m.reset_peak()
+    before = m.peak()
+    assert before >= m.current() - (1 << 20) > 0
+    blob = bytearray(64 << 20)  # 64 MiB touched: the peak rises by about that much
+    for i in range(0, len(blob), 4096):
+        blob[i] = 1
+    assert m.peak() - before >= 60 << 20
+    del blob
+    m.reset_peak()
+    assert m.peak() - m.current() < 16 << 20
+
+
+def test_rss_meter_that_cannot_reset_says_why(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    m = mh.RssMeter(clear_refs=str(tmp_path / "no-such-dir" / "clear_refs"))
+    with pytest.raises(mh.MeterUnavailable, match="cannot reset the peak resident set"):
+        m.reset_peak()
+
+
+def test_targets_per_build() -> None:
+    assert mh.SPEC.modules("0.32.0", "cpu") == ["vllm.v1.worker.cpu_worker", "vllm.v1.worker.gpu_model_runner"]
+    assert mh.SPEC.modules("0.20.2", "cuda") == ["vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu_worker"]
+
+
+def test_zero_turns_it_off_with_the_setting_named(monkeypatch, tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
+    d = {x.spec.id: x for x in core.decide({"VLLM_OVERLAY_MEMORY_HEADROOM": "0"},
+                                           vllm=versions.Installed("vllm", "0.20.2", "cuda"))}
+    assert d["memory-headroom"].status == "off"
+    assert d["memory-headroom"].reason == "VLLM_OVERLAY_MEMORY_HEADROOM=0 turns it off"
+    d = {x.spec.id: x for x in core.decide({}, vllm=versions.Installed("vllm", "0.33.0", "cuda"))}
+    assert d["memory-headroom"].status == "planned" and d["memory-headroom"].reason == "on by default"
+    monkeypatch.setenv("VLLM_OVERLAY_REPORT_DIR", str(tmp_path))
+    monkeypatch.setenv("VLLM_OVERLAY_MEMORY_HEADROOM", "0")
+    core.revert()
+    STATE.reset()
+    try:
+        with caplog.at_level("WARNING", logger="vllm_overlay"):
+            core.register()
+        assert STATE.patches["memory-headroom"]["status"] == "off"
+        lines = [r.getMessage() for r in caplog.records if "memory-headroom" in r.getMessage()]
+        assert lines == ["patch memory-headroom off: VLLM_OVERLAY_MEMORY_HEADROOM=0 turns it off (1 or 0 (0 turns "
+                         "the correction off: UNSAFE, the KV cache may take memory a forward of "
+                         "max_num_batched_tokens needs))"]
+    finally:
+        core.revert()
+        STATE.reset()
+
+
+def test_doctor_warns_when_it_is_off() -> None:
+    from vllm_overlay.cli.doctor import findings
+
+    off = findings(None, {"VLLM_OVERLAY_MEMORY_HEADROOM": "0", "VLLM_OVERLAY_PROFILE_RUN_CAP": "4096"})
+    assert any(level == "warning" and "VLLM_OVERLAY_MEMORY_HEADROOM=0: unsafe" in text for level, text in off)
+    assert any("with VLLM_OVERLAY_MEMORY_HEADROOM=0 nothing measures them" in text for _, text in off)
+    on = findings(None, {"VLLM_OVERLAY_PROFILE_RUN_CAP": "4096"})
+    assert any("memory-headroom measures a forward of max_num_batched_tokens" in text for _, text in on)
+
+
+# Stand-ins for a worker (plain objects with the attributes the patch reads): what it does where it
+# must not measure is decided before vLLM's runner is touched.
+
+
+def test_explicit_kv_size_is_left_alone_and_said_once(caplog) -> None:  # type: ignore[no-untyped-def]
+    STATE.reset()
+    mh._warned.clear()
+    worker = SimpleNamespace(cache_config=SimpleNamespace(kv_cache_memory_bytes=4 << 30), model_runner=None,
+                             device=SimpleNamespace(type="cpu"))
+    with caplog.at_level("WARNING", logger="vllm_overlay"):
+        assert mh.correct(worker, 4 << 30) == 4 << 30
+        assert mh.correct(worker, 4 << 30) == 4 << 30
+    lines = [r.getMessage() for r in caplog.records if "NOT corrected" in r.getMessage()]
+    assert len(lines) == 1 and "kv_cache_memory_bytes is set" in lines[0]
+    assert STATE.counters["headroom_not_corrected"] == 2
+    assert "kv_cache_memory_bytes" in STATE.patches["memory-headroom"]["not_corrected"]
+    STATE.reset()
+
+
+def test_model_runner_v2_is_named_not_measured() -> None:
+    class ModelRunner:  # not vLLM's V1 GPUModelRunner (Model Runner V2 lives in vllm.v1.worker.gpu)
+        pass
+
+    worker = SimpleNamespace(cache_config=SimpleNamespace(kv_cache_memory_bytes=None))
+    why = mh._why_not(worker, ModelRunner(), cpu=False)
+    assert why is not None and "Model Runner V2" in why and "VLLM_USE_V2_MODEL_RUNNER=0" in why
+
+
+# ---- a real engine (CPU build) -------------------------------------------------------------------
+
+KV_LINE = re.compile(r"CPU KV cache size: ([0-9,]+) tokens")
+
+
+def headroom_record(result: dict) -> dict:  # type: ignore[type-arg]
+    """The worker's memory-headroom record of a scenario (tests/test_compiled.py uses it too)."""
+    assert result["ok"], result.get("traceback") or result["log"][-3000:]
+    w = worker_report(result["reports"])
+    assert w["patches"]["memory-headroom"]["status"] == "applied"
+    (rec,) = w["patches"]["memory-headroom"]["headroom"]
+    return rec
+
+
+def vllm_kv_tokens(result: dict) -> int:  # type: ignore[type-arg]
+    (n,) = KV_LINE.findall(result["log"])
+    return int(n.replace(",", ""))
+
+
+@pytest.mark.engine
+def test_eager_engine_allocates_the_corrected_kv_cache(scenarios) -> None:  # type: ignore[no-untyped-def]
+    """Eager CPU worker: no profiling forward at all, so vLLM reserves nothing for activations; the
+    measured forward of 8192 tokens moves its whole peak out of the KV cache, and the KV cache vLLM
+    then sizes is exactly the one the report predicts. The bug report's traffic is served."""
+    r = scenarios.run("eager-overlay", ["--shape", "bug"], {})  # shared with test_engine.py
+    rec = headroom_record(r)
+    assert rec["tokens"] == 8192 and rec["profiled_peak"] == 0 and rec["profile"] is None
+    assert rec["moved"] == rec["measured_peak"] > 16 << 20
+    assert [s["name"] for s in rec["shapes"]] == ["longest prefill"]
+    assert rec["shapes"][0]["seq_len"] == 8192 and rec["kv_temp_blocks"] == 1
+    assert rec["blocks_after"] < rec["blocks_before"]
+    assert vllm_kv_tokens(r) == rec["kv_tokens_after"]
+    line = next(ln for ln in r["log"].splitlines() if "memory-headroom: profiled peak" in ln)
+    assert f"{rec['kv_tokens_before']} -> {rec['kv_tokens_after']} KV tokens" in line
+
+
+@pytest.mark.engine
+def test_off_is_stock_sizing_and_the_same_outputs(scenarios) -> None:  # type: ignore[no-untyped-def]
+    """VLLM_OVERLAY_MEMORY_HEADROOM=0: no measurement, vLLM's own KV size (larger), and the same
+    tokens as with the correction (the measuring forward leaves nothing behind in the real cache)."""
+    on = scenarios.run("eager-overlay", ["--shape", "bug"], {})
+    off = scenarios.run("eager-headroom-off", ["--shape", "bug"], {"VLLM_OVERLAY_MEMORY_HEADROOM": "0"})
+    assert off["ok"], off.get("traceback") or off["log"][-3000:]
+    w = worker_report(off["reports"])
+    assert w["patches"]["memory-headroom"]["status"] == "off"
+    assert "headroom" not in w["patches"]["memory-headroom"]
+    assert "patch memory-headroom off: VLLM_OVERLAY_MEMORY_HEADROOM=0 turns it off" in off["log"]
+    assert vllm_kv_tokens(off) > headroom_record(on)["kv_tokens_after"]
+    assert off["token_ids"] == on["token_ids"]
+    diffs = [abs(a - b) for la, lb in zip(on["logprobs"], off["logprobs"]) for a, b in zip(la, lb)]
+    assert max(diffs) <= 1e-4, max(diffs)

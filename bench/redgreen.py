@@ -24,11 +24,14 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
+# The legacy tree had no memory-headroom, and its forward of max_num_batched_tokens at boot would
+# meet the 4096-row buffer before any traffic: off in the configurations that reproduce that tree.
+NO_HEADROOM = {"VLLM_OVERLAY_MEMORY_HEADROOM": "0"}
 CONFIGS = {
-    "legacy-nocap": {"VLLM_OVERLAY_TEST_BUFFER_ROWS": "4096", "VLLM_OVERLAY_TEST_GUARD": "0"},
+    "legacy-nocap": {"VLLM_OVERLAY_TEST_BUFFER_ROWS": "4096", "VLLM_OVERLAY_TEST_GUARD": "0", **NO_HEADROOM},
     "legacy-cap4096": {"VLLM_OVERLAY_TEST_BUFFER_ROWS": "4096", "VLLM_OVERLAY_TEST_GUARD": "0",
-                       "VLLM_OVERLAY_PROFILE_RUN_CAP": "4096"},
-    "forced-guard": {"VLLM_OVERLAY_TEST_BUFFER_ROWS": "4096", "VLLM_OVERLAY_PROFILE_RUN_CAP": "4096"},
+                       "VLLM_OVERLAY_PROFILE_RUN_CAP": "4096", **NO_HEADROOM},
+    "forced-guard": {"VLLM_OVERLAY_TEST_BUFFER_ROWS": "4096", "VLLM_OVERLAY_PROFILE_RUN_CAP": "4096", **NO_HEADROOM},
     "overlay": {},
     "stock": {"VLLM_OVERLAY": "0"},
 }

@@ -50,11 +50,27 @@ def test_compile_cache_never_crosses_patch_sets(scenarios, cache_root) -> None: 
 
 
 def test_guard_holds_in_compiled_code(scenarios, cache_root) -> None:  # type: ignore[no-untyped-def]
-    # the bug report's runtime crash configuration: 4096-row buffer, cap 4096, mnbt 8192
+    # the bug report's runtime crash configuration: 4096-row buffer, cap 4096, mnbt 8192 (without
+    # memory-headroom, whose forward of 8192 tokens at boot would trip the guard before traffic)
     r = run(scenarios, "compiled-forced-4096", cache_root, VLLM_OVERLAY_PROFILE_RUN_CAP="4096",
-            VLLM_OVERLAY_TEST_BUFFER_ROWS="4096")
+            VLLM_OVERLAY_TEST_BUFFER_ROWS="4096", VLLM_OVERLAY_MEMORY_HEADROOM="0")
     assert not r["ok"]
     text = r["log"] + r.get("error", "") + r.get("traceback", "")
     assert "a forward of 7820 tokens exceeds the GDN output buffer of 4096 rows" in r["error"]
     assert "setStorage" not in text
     assert worker_report(r["reports"])["counters"]["guard_trips"] == 1
+
+
+def test_memory_headroom_measures_what_the_cap_left_out(scenarios, cache_root) -> None:  # type: ignore[no-untyped-def]
+    """torch.compile: the CPU worker's warm-up runs vLLM's profiling forward, here capped at 4096
+    tokens; memory-headroom's forward of 8192 tokens peaks higher, the difference leaves the KV
+    cache, and the KV cache vLLM allocates is the one the report predicts."""
+    from test_memory_headroom import headroom_record, vllm_kv_tokens
+
+    r = run(scenarios, "compiled-cap", cache_root, VLLM_OVERLAY_PROFILE_RUN_CAP="4096")
+    rec = headroom_record(r)
+    assert rec["profile"] is not None and rec["profile_run_cap"] == 4096
+    assert rec["measured_peak"] > rec["profiled_peak"] > 0
+    assert rec["moved"] == rec["measured"] - rec["reserved"] > 0
+    assert vllm_kv_tokens(r) == rec["kv_tokens_after"]
+    assert "vLLM profiled 4096 tokens: VLLM_OVERLAY_PROFILE_RUN_CAP" in r["log"]

@@ -46,7 +46,7 @@ def test_overlay_applies_in_the_worker_and_sees_the_band(overlay) -> None:  # ty
     # the machine; a line written before names an earlier role and is followed by one with the final
     # role, so the process's last summary line is the one to assert on.
     summaries = [ln for ln in overlay["log"].splitlines() if f"[vllm-overlay] pid {w['pid']} role " in ln]
-    assert f"pid {w['pid']} role worker rank 0: 5 applied" in summaries[-1], summaries
+    assert f"pid {w['pid']} role worker rank 0: 6 applied" in summaries[-1], summaries
     # moe-configs applies in the worker too (the CPU MoE reads no Triton config, so it records none)
     assert w["patches"]["moe-configs"]["status"] == "applied"
     assert all(r["load_apply_s"] < 1.0 for r in overlay["reports"])
@@ -63,7 +63,10 @@ def test_overlay_outputs_equal_stock(overlay, stock) -> None:  # type: ignore[no
 
 
 def test_forced_small_buffer_fails_with_our_error(scenarios) -> None:  # type: ignore[no-untyped-def]
-    r = scenarios.run("eager-forced-4096", ["--shape", "bug"], {"VLLM_OVERLAY_TEST_BUFFER_ROWS": "4096"})
+    # memory-headroom off: its forward of max_num_batched_tokens at boot would trip the guard first
+    # (next test); here the guard is shown under traffic, where the legacy tree crashed
+    r = scenarios.run("eager-forced-4096", ["--shape", "bug"],
+                      {"VLLM_OVERLAY_TEST_BUFFER_ROWS": "4096", "VLLM_OVERLAY_MEMORY_HEADROOM": "0"})
     assert not r["ok"]
     text = r["log"] + r.get("error", "") + r.get("traceback", "")
     assert r["error"].startswith("CapacityError: vllm-overlay: a forward of 7820 tokens exceeds the GDN "
@@ -73,11 +76,23 @@ def test_forced_small_buffer_fails_with_our_error(scenarios) -> None:  # type: i
     assert w["counters"]["guard_trips"] == 1
 
 
+def test_forced_small_buffer_fails_at_boot_with_memory_headroom(scenarios) -> None:  # type: ignore[no-untyped-def]
+    """memory-headroom runs a forward of max_num_batched_tokens before the KV cache is sized, so a
+    buffer below it is refused at boot, by the guard, before any request is accepted."""
+    r = scenarios.run("eager-forced-4096-headroom", ["--shape", "bug"], {"VLLM_OVERLAY_TEST_BUFFER_ROWS": "4096"})
+    assert not r["ok"] and "boot_s" not in r
+    assert r["error"].startswith("CapacityError: vllm-overlay: a dummy forward of 8192 tokens exceeds the GDN "
+                                 "output buffer of 4096 rows"), r["error"]
+    assert "memory_headroom.py" in r["traceback"]
+    assert worker_report(r["reports"])["counters"]["guard_trips"] == 1
+
+
 def test_legacy_configuration_fails_inside_the_gdn_kernel(scenarios) -> None:  # type: ignore[no-untyped-def]
-    # the reference tree's configuration: 4096-row buffer, no guard; on the CPU build the GDN
-    # kernel's write into the short slice fails (on the H200 it is Inductor's setStorage: bench/)
+    # the reference tree's configuration: 4096-row buffer, no guard, no memory-headroom; on the CPU
+    # build the GDN kernel's write into the short slice fails (on the H200 it is Inductor's setStorage: bench/)
     r = scenarios.run("eager-legacy-4096", ["--shape", "bug"],
-                      {"VLLM_OVERLAY_TEST_BUFFER_ROWS": "4096", "VLLM_OVERLAY_TEST_GUARD": "0"})
+                      {"VLLM_OVERLAY_TEST_BUFFER_ROWS": "4096", "VLLM_OVERLAY_TEST_GUARD": "0",
+                       "VLLM_OVERLAY_MEMORY_HEADROOM": "0"})
     w = worker_report(r["reports"])
     assert band_forwards(w) >= 1, "DID NOT TEST: no forward landed in (4096, 8192]"
     assert not r["ok"]

@@ -150,8 +150,10 @@ SETTINGS: tuple[Setting, ...] = (
         "VLLM_OVERLAY_PROFILE_RUN_CAP", _int_range(0, TOKEN_MAX), 0,
         f"an integer in [0, {TOKEN_MAX}] (0 disables the cap)",
         "Caps the token count of vLLM's memory-profiling dummy forward only; never a buffer size. "
-        "Activations of forwards above the cap are then not profiled, so KV cache may be sized "
-        "too large. The overlay's own buffer sizing makes the cap unnecessary for the GDN boot "
+        "Activations of forwards above the cap are then not profiled, so vLLM alone would size the "
+        "KV cache too large; memory-headroom (on unless VLLM_OVERLAY_MEMORY_HEADROOM=0) measures a "
+        "forward of max_num_batched_tokens before the KV cache is sized and takes the difference "
+        "from it. The overlay's own buffer sizing makes the cap unnecessary for the GDN boot "
         "crash it was invented for; use it only to shorten profiling.",
         aliases=("GENESIS_PROFILE_RUN_CAP_M",),
     ),

@@ -61,6 +61,8 @@ def _dummy_run(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[
         f"profile-run-cap: profiling forward capped from {n} to {cap} tokens "
         f"(VLLM_OVERLAY_PROFILE_RUN_CAP); activations of forwards in ({cap}, {n}] were NOT "
         "profiled and may not fit in the memory left after the KV cache"
+        + ("; memory-headroom measures a forward of them before the KV cache is sized"
+           if _headroom_live() else "")
     )
     LOG.warning(msg)
     STATE.event(msg)
@@ -74,6 +76,12 @@ def _dummy_run(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[
     else:
         args = (cap, *args[1:])
     return wrapped(*args, **kwargs)
+
+
+def _headroom_live() -> bool:
+    from vllm_overlay.core import active_ids
+
+    return "memory-headroom" in active_ids()
 
 
 def never_captures(runner: Any) -> str | None:

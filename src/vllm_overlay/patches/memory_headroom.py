@@ -48,6 +48,9 @@ _RUNNER_PROOFS = (
     Proof(RUNNER_PATH, "self.cudagraph_dispatcher.keys_initialized = False"),
     Proof(RUNNER_PATH, "self.kv_caches: list[torch.Tensor] = []"),
     Proof(RUNNER_PATH, "self.num_decode_draft_tokens.np[num_reqs:].fill(-1)"),
+    Proof(RUNNER_PATH, "self.num_decode_draft_tokens.copy_to_gpu()"),
+    Proof(RUNNER_PATH, "self.maybe_remove_all_loras(self.lora_config)"),
+    Proof("v1/core/kv_cache_utils.py", "def get_max_concurrency_for_kv_cache_config("),
     Proof(CPU_WORKER_PATH, "requested_memory_for_kv = int(self.requested_cpu_memory - consumed_memory)"),
 )
 

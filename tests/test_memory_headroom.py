@@ -158,3 +158,26 @@ def test_off_is_stock_sizing_and_the_same_outputs(scenarios) -> None:  # type: i
     assert off["token_ids"] == on["token_ids"]
     diffs = [abs(a - b) for la, lb in zip(on["logprobs"], off["logprobs"]) for a, b in zip(la, lb)]
     assert max(diffs) <= 1e-4, max(diffs)
+
+
+def test_report_command_prints_the_headroom_line() -> None:
+    """`vllm-overlay report` shows each worker's correction on one line (a recorded CPU record)."""
+    from vllm_overlay import headroom
+    from vllm_overlay.cli.report import print_reports
+    from vllm_overlay.output import Out
+    from test_headroom import CPU
+
+    rec = headroom.plan(**CPU).to_json()  # type: ignore[arg-type]
+    rep = {"pid": 7, "role": "worker rank 0", "vllm_version": "0.32.0", "load_apply_s": 0.01,
+           "counts": {"applied": 6, "armed": 0, "skipped": 0, "off": 2, "upstream-merged": 1, "failed": 0},
+           "patches": {"memory-headroom": {"status": "applied", "reason": "on by default", "headroom": [rec]}},
+           "counters": {}, "buffers": [], "events": [], "written": 1.0,
+           "telemetry": {"forwards": {"count": 0, "min": None, "max": None, "sizes": {}}}}
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        print_reports(Out(), [rep])
+    assert ("pid 7: memory-headroom at 8192 tokens: profiled peak 0.000 GiB, measured 0.165 GiB, moved 0.165 GiB; "
+            "KV tokens 6004736 -> 5708513") in buf.getvalue()

@@ -29,7 +29,9 @@ SPEC = PatchSpec(
         "first forward above the cap dies with 'Workspace is locked but allocation from "
         "modular_kernel.py ... requires 16.00 MB, current size is 8.00 MB'). When it fires it says "
         "that activations above the cap were not profiled, so the KV cache may be sized larger than "
-        "the largest forward leaves room for; that full-size forward then fails at boot, not later."
+        "the largest forward leaves room for; that full-size forward then fails at boot, not later. "
+        "On Model Runner V2 the same two hooks apply (its profile_run calls _dummy_run(is_profile=True)); "
+        "its capture_model(profile_only=True), which only measures graph memory, gets no forward."
     ),
     upstream="https://github.com/vllm-project/vllm/blob/v0.20.2/vllm/v1/worker/gpu_model_runner.py (profile_run)",
     targets=(

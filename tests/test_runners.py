@@ -258,10 +258,9 @@ def test_an_unknown_runner_is_refused_under_strict(overlay, monkeypatch) -> None
         def execute_model(self, scheduler_output: Any) -> str:
             return "out"
 
-    with bodies(classes()[3], execute_model=worker_body):
-        with pytest.raises(StrictModeError, match=r"refuses to serve: .*OtherRunner is neither vLLM's V1 model "
-                                                   r"runner nor Model Runner V2"):
-            worker_for(OtherRunner()).execute_model(step(10))
+    refusal = r"refuses to serve: .*OtherRunner is neither vLLM's V1 model runner nor Model Runner V2"
+    with bodies(classes()[3], execute_model=worker_body), pytest.raises(StrictModeError, match=refusal):
+        worker_for(OtherRunner()).execute_model(step(10))
 
 
 def test_overridden_method_is_named(overlay, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]

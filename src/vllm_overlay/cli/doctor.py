@@ -9,8 +9,8 @@ from packaging.version import Version
 
 from vllm_overlay import reports, settings, versions
 from vllm_overlay.budget import BUDGET_SETTINGS
-from vllm_overlay.output import Out
 from vllm_overlay.errors import SettingError
+from vllm_overlay.output import Out
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -8,7 +8,14 @@ from typing import Any
 from vllm_overlay import budget
 from vllm_overlay.patches import _runner
 from vllm_overlay.patches._runner import (
-    RUNNER_CLASS, RUNNER_MODULES, V1_MODULE, V2_MODULE, WORKER, WORKER_MODULE, dummy_tokens, tp_rank,
+    RUNNER_CLASS,
+    RUNNER_MODULES,
+    V1_MODULE,
+    V2_MODULE,
+    WORKER,
+    WORKER_MODULE,
+    dummy_tokens,
+    tp_rank,
     worker_rank,
 )
 from vllm_overlay.report import STATE

@@ -23,8 +23,8 @@ its graph manager will capture.
 
 from __future__ import annotations
 
-import os
 import dataclasses
+import os
 import threading
 import weakref
 from typing import Any
@@ -33,7 +33,14 @@ from vllm_overlay import budget, settings
 from vllm_overlay.errors import CapacityError
 from vllm_overlay.patches import _runner
 from vllm_overlay.patches._runner import (
-    RUNNER_CLASS, RUNNER_MODULES, V1_MODULE, V2_MODULE, WORKER, WORKER_MODULE, dummy_tokens, forward_tokens,
+    RUNNER_CLASS,
+    RUNNER_MODULES,
+    V1_MODULE,
+    V2_MODULE,
+    WORKER,
+    WORKER_MODULE,
+    dummy_tokens,
+    forward_tokens,
 )
 from vllm_overlay.report import LOG, STATE
 from vllm_overlay.spec import Edit, PatchSpec, Proof, Support, Target, per_release

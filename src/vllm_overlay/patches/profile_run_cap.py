@@ -9,7 +9,13 @@ from vllm_overlay import settings
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.patches import _runner
 from vllm_overlay.patches._runner import (
-    RUNNER_CLASS, RUNNER_MODULES, V1_MODULE, V2_MODULE, WORKER, WORKER_MODULE, dummy_tokens,
+    RUNNER_CLASS,
+    RUNNER_MODULES,
+    V1_MODULE,
+    V2_MODULE,
+    WORKER,
+    WORKER_MODULE,
+    dummy_tokens,
 )
 from vllm_overlay.report import LOG, STATE
 from vllm_overlay.spec import PatchSpec, Proof, Support, Target

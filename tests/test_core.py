@@ -139,10 +139,12 @@ def test_apply_then_revert_restores_every_target(overlay) -> None:  # type: igno
     core.register()
     during = originals()
     changed = [k for k in before if before[k] is not during[k]]
-    # every distinct target of the four default-on patches on 0.32.0 was replaced
-    # (GPUModelRunner._dummy_run is wrapped by two of them and counts once; moe-configs adds
-    # fused_moe.get_moe_configs; prometheus-metrics wraps MultiProcessCollector.__init__)
-    assert len(changed) == 10, changed
+    # every distinct target of the default-on patches on 0.32.0 was replaced: 10 on the V1 runner,
+    # the GDN layer, the scheduler, fused_moe.get_moe_configs and MultiProcessCollector.__init__
+    # (GPUModelRunner._dummy_run is wrapped by two patches and counts once), 5 on Model Runner V2
+    # (__init__, execute_model, _dummy_run, prepare_inputs, capture_model) and the worker's
+    # execute_model (the runner patches' first-forward check)
+    assert len(changed) == 16, changed
     report = json.load(open(os.path.join(overlay, f"overlay-{os.getpid()}.json")))
     assert report["patches"]["gdn-output-prealloc"]["status"] == "applied"
     assert report["patches"]["forward-telemetry"]["status"] == "applied"

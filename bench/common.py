@@ -97,7 +97,10 @@ def classify(text: str) -> str | None:
                          ("CapacityError", "vllm-overlay CapacityError (clear error, no crash)"),
                          ("exceeds the GDN output buffer", "vllm-overlay CapacityError (clear error, no crash)"),
                          ("Workspace is locked", "locked workspace too small (sized by the capped profiling forward)"),
-                         ("out of memory", "CUDA out of memory")):
+                         ("out of memory", "CUDA out of memory"),
+                         ("CUBLAS_STATUS_EXECUTION_FAILED", "CUDA memory fault in a forward past the buffer "
+                          "(CUBLAS_STATUS_EXECUTION_FAILED, then an illegal memory access)"),
+                         ("illegal memory access", "CUDA illegal memory access")):
         if needle in text:
             return name
     return None

@@ -32,6 +32,7 @@ def main() -> int:
     ap.add_argument("--ngram-spec", type=int, default=0, metavar="K",
                     help="speculative decoding with vLLM's ngram drafter and K speculative tokens")
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (worker processes on the CPU build)")
+    ap.add_argument("--ep", action="store_true", help="enable_expert_parallel (experts split over the --tp ranks)")
     ap.add_argument("--first-mnbt", type=int, default=0,
                     help="first boot (and release) an engine with this max_num_batched_tokens in this process")
     # prefix caching puts hybrid models in mamba 'align' mode, which cuts prefills at block
@@ -55,6 +56,8 @@ def main() -> int:
                                             "prompt_lookup_max": 4, "prompt_lookup_min": 2}
         if args.tp > 1:
             kwargs["tensor_parallel_size"] = args.tp
+        if args.ep:
+            kwargs["enable_expert_parallel"] = True
 
         def boot(mnbt: int) -> LLM:
             return LLM(model=args.model or tiny_hybrid_dir(), load_format="dummy", skip_tokenizer_init=True,

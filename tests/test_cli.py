@@ -108,3 +108,34 @@ def test_report_pretty_prints(tmp_path) -> None:  # type: ignore[no-untyped-def]
     assert "(4096, 8192]" in p.stdout
     p = cli("report", str(tmp_path / "nothing"))
     assert p.returncode == 2 and "not a directory" in p.stderr
+
+
+def _worker_report(tmp_path, runner: dict, missing: list[str]) -> None:  # type: ignore[no-untyped-def]
+    rep = {"pid": 7, "role": "worker rank 0", "vllm_version": "0.32.0", "load_apply_s": 0.01, "written": 2.0,
+           "counts": {"applied": 5, "armed": 0, "skipped": 0, "off": 2, "upstream-merged": 0, "failed": 0},
+           "patches": {"gdn-output-prealloc": {"status": "applied", "reason": "on by default",
+                                               "runner": {"kind": runner["kind"], "missing": missing}}},
+           "counters": {"guard_trips": 0}, "buffers": [], "events": [], "runner": runner,
+           "telemetry": {"forwards": {"count": 1, "min": 5, "max": 5, "sizes": {"5": 1}}}}
+    (tmp_path / "overlay-7.json").write_text(json.dumps(rep))
+
+
+def test_doctor_and_report_name_the_runner_the_worker_built(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    v2 = {"kind": "V2", "class": "vllm.v1.worker.gpu.model_runner.GPUModelRunner"}
+    _worker_report(tmp_path, v2, ["prepare_inputs (not fired)"])
+    doctor = cli("doctor", VLLM_OVERLAY_REPORT_DIR=str(tmp_path)).stdout
+    assert ("model runner: V2 (vllm.v1.worker.gpu.model_runner.GPUModelRunner), built by pid 7 (report "
+            f"{tmp_path}/overlay-7.json)") in doctor
+    assert "model runner: patch gdn-output-prealloc did not fire on it: prepare_inputs (not fired)" in doctor
+    report = cli("report", str(tmp_path)).stdout
+    assert "guard trips=0; runner=V2" in report
+    assert "pid 7: model runner V2 (vllm.v1.worker.gpu.model_runner.GPUModelRunner)" in report
+    assert "pid 7: patch gdn-output-prealloc: runner hooks that did not fire: prepare_inputs (not fired)" in report
+
+
+def test_doctor_without_reports_says_what_is_asked_for(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    asked = cli("doctor", VLLM_OVERLAY_REPORT_DIR=str(tmp_path), VLLM_USE_V2_MODEL_RUNNER="1").stdout
+    assert (f"model runner: Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1); no worker report in {tmp_path} "
+            "names the one built yet") in asked
+    default = cli("doctor", VLLM_OVERLAY_REPORT_DIR=str(tmp_path)).stdout
+    assert "model runner: chosen by vLLM at start-up (VllmConfig.use_v2_model_runner:" in default

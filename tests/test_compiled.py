@@ -32,6 +32,11 @@ def test_cap_bounds_only_the_profile_forward(scenarios, cache_root) -> None:  # 
     assert buf["rows"] == 8192  # the cap never sizes a buffer
     assert w["telemetry"]["forwards"]["sizes"].get("7820") == 1
     assert w["counters"]["guard_trips"] == 0
+    # the cap's hooks on the V1 runner: _dummy_run fired (the capped profile); capture_model is in
+    # place though the CPU worker never captures
+    rec = w["patches"]["profile-run-cap"]["runner"]
+    assert rec["kind"] == "V1" and rec["missing"] == [] and rec["fired"] == ["_dummy_run"]
+    assert "did not fire" not in r["log"]
 
 
 def test_compile_cache_never_crosses_patch_sets(scenarios, cache_root) -> None:  # type: ignore[no-untyped-def]

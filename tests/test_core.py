@@ -139,12 +139,14 @@ def test_apply_then_revert_restores_every_target(overlay) -> None:  # type: igno
     core.register()
     during = originals()
     changed = [k for k in before if before[k] is not during[k]]
-    # every distinct target of the default-on patches on 0.32.0 (CPU build) was replaced
-    # (GPUModelRunner._dummy_run is wrapped by two of them and counts once; moe-configs adds
-    # fused_moe.get_moe_configs; prometheus-metrics wraps MultiProcessCollector.__init__;
-    # memory-headroom wraps CPUWorker.determine_available_memory and GPUModelRunner.profile_run,
-    # but not the CUDA Worker's determine_available_memory, a target for the CUDA build only)
-    assert len(changed) == 12, changed
+    # every distinct target of the default-on patches on 0.32.0 was replaced: 10 on the V1 runner,
+    # the GDN layer, the scheduler, fused_moe.get_moe_configs and MultiProcessCollector.__init__
+    # (GPUModelRunner._dummy_run is wrapped by two patches and counts once), 5 on Model Runner V2
+    # (__init__, execute_model, _dummy_run, prepare_inputs, capture_model), the worker's
+    # execute_model (the runner patches' first-forward check), and memory-headroom's
+    # CPUWorker.determine_available_memory and GPUModelRunner.profile_run (not the CUDA Worker's
+    # determine_available_memory, a target for the CUDA build only)
+    assert len(changed) == 18, changed
     assert "vllm.v1.worker.gpu_worker:Worker.determine_available_memory" not in changed
     report = json.load(open(os.path.join(overlay, f"overlay-{os.getpid()}.json")))
     assert report["patches"]["gdn-output-prealloc"]["status"] == "applied"

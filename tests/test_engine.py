@@ -41,6 +41,12 @@ def test_overlay_applies_in_the_worker_and_sees_the_band(overlay) -> None:  # ty
     assert buf["rows"] == 8192 and buf["source"] == "live scheduler_config.max_num_batched_tokens"
     assert buf["layers"] == 3  # the tiny model's three GDN layers share it
     assert w["engine_config"]["max_num_batched_tokens"] == 8192
+    # the CPU build's worker builds the V1 runner; every runner hook of the patches fired or is in place
+    assert w["runner"] == {"kind": "V1", "class": "vllm.v1.worker.cpu_model_runner.CPUModelRunner"}
+    for p in ("forward-telemetry", "gdn-output-prealloc"):
+        assert w["patches"][p]["runner"]["kind"] == "V1" and w["patches"][p]["runner"]["missing"] == [], p
+    assert "_model_forward" in w["patches"]["gdn-output-prealloc"]["runner"]["fired"]
+    assert "runner_hooks_not_fired" not in w["counters"] and "did not fire" not in overlay["log"]
     # a summary line names pid and role (engine core in-process here: VLLM_ENABLE_V1_MULTIPROCESSING=0).
     # Whether the GDN layer module is imported before or after the worker's rank is known depends on
     # the machine; a line written before names an earlier role and is followed by one with the final

@@ -257,7 +257,8 @@ def _make_hook(active: Active, module_name: str, strict: bool) -> Any:
             if copies:
                 STATE.event(f"{active.spec.id}: cached copies bypass the patch: {', '.join(copies)}")
                 LOG.warning("patch %s: cached copies bypass it: %s", active.spec.id, ", ".join(copies))
-            status = "applied" if not active.pending else "armed"
+            status = "applied" if not active.spec.blocking(active.pending) else "armed"
+            was = STATE.patches.get(active.spec.id, {}).get("status")
             STATE.set_patch(
                 active.spec.id, status,
                 targets=sorted({i.where for i in active.installed}),
@@ -265,7 +266,8 @@ def _make_hook(active: Active, module_name: str, strict: bool) -> Any:
             )
             if status == "applied":
                 STATE.write()
-                if STATE.load_apply_s is not None and not any(a.pending for a in _ACTIVE.values() if a.live):
+                if was != "applied" and STATE.load_apply_s is not None and not any(
+                        a.spec.blocking(a.pending) for a in _ACTIVE.values() if a.live):
                     STATE.log_summary()  # the last armed patch applied: the final word for this process
 
     return hook

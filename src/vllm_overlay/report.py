@@ -52,6 +52,7 @@ class ProcessState:
         self.worker_rank: int | None = None
         self.tp_rank: int | None = None
         self.engine_config: dict[str, Any] = {}
+        self.runner: dict[str, Any] = {}  # the model runner the worker built: kind V1 / V2 and class
         self.buffers: list[dict[str, Any]] = []
         self.dirty = False
         self.forked_from: int | None = None
@@ -143,6 +144,7 @@ class ProcessState:
                 "budgets": self.budgets,
                 "buffers": self.buffers,
                 "engine_config": self.engine_config,
+                "runner": self.runner,
                 "counters": self.counters,
                 "events": self.events[-200:],
                 "telemetry": {

@@ -114,9 +114,11 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "VLLM_OVERLAY_STRICT", _bool, False, "1 or 0",
-        "1: an enabled patch that cannot apply stops start-up with one clear error, and a token "
-        "budget below the largest schedulable forward is refused instead of raised. 0: such a "
-        "patch is skipped with one WARNING line naming it and the reason.",
+        "1: an enabled patch that cannot apply stops start-up with one clear error, a token "
+        "budget below the largest schedulable forward is refused instead of raised, and a runner "
+        "patch whose hooks on the model runner the worker built (V1 or V2) are not in place or did "
+        "not fire by the worker's first forward stops the engine at that forward. 0: such a patch "
+        "is skipped, or its hooks named, with one WARNING line naming it and the reason.",
     ),
     Setting(
         "VLLM_OVERLAY_REPORT_DIR", _path, None, "a directory path (created if missing)",

@@ -127,6 +127,11 @@ class PatchSpec:
     disabled_by: str | None = None  # a setting whose value 0 turns a default-on patch off
     changes_traced_code: bool = False  # must change vLLM's compile-cache key
     rewrites: tuple[Rewrite, ...] = field(default=())
+    # groups of modules of which one hooked completes the patch: vLLM imports the model runner
+    # module it builds (V1 or Model Runner V2), and on some releases never the other one. The
+    # patch is "applied" once every other module and one module of each group are hooked; a
+    # group's other modules are still hooked if vLLM imports them later.
+    either_modules: tuple[tuple[str, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.id or not all(p.isalnum() and p == p.lower() for p in self.id.split("-")):
@@ -146,6 +151,11 @@ class PatchSpec:
                     f"PatchSpec {self.id!r}: target {t} has no wrapper and no recorded rewrite; "
                     "name the patch module's wrapper function (Target(..., wrapper='_name'))"
                 )
+
+    def blocking(self, pending: set[str]) -> set[str]:
+        """The modules of ``pending`` (not hooked yet) that keep the patch from being applied."""
+        done = {m for group in self.either_modules if any(g not in pending for g in group) for m in group}
+        return pending - done
 
     def support_for(self, version: str) -> Support | None:
         """The support row of ``version``; None for a release the matrix does not cover."""

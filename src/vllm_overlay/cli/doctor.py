@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import os
 
-from vllm_overlay import settings, versions
+from packaging.version import Version
+
+from vllm_overlay import reports, settings, versions
 from vllm_overlay.budget import BUDGET_SETTINGS
-from vllm_overlay.output import Out
 from vllm_overlay.errors import SettingError
+from vllm_overlay.output import Out
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -58,6 +60,40 @@ def findings(mnbt: int | None, environ: dict[str, str] | None = None) -> list[tu
     return out
 
 
+def runner_lines(version: str | None, environ: dict[str, str] | None = None) -> list[tuple[str, str | None]]:
+    """Which model runner vLLM's worker builds: the one named by the reports of the last run in
+    VLLM_OVERLAY_REPORT_DIR, else what VLLM_USE_V2_MODEL_RUNNER asks for."""
+    env = os.environ if environ is None else environ
+    out: list[tuple[str, str | None]] = []
+    try:
+        directory = settings.value("VLLM_OVERLAY_REPORT_DIR", environ)
+        built = [r for r in reports.load(directory) if r.get("runner")] if os.path.isdir(directory) else []
+    except Exception:  # noqa: BLE001 - an unreadable report directory: fall back to the request
+        built = []
+    if built:
+        last = max(built, key=lambda r: r.get("written", 0))
+        runner = last["runner"]
+        out.append((f"model runner: {runner['kind']} ({runner['class']}), built by pid {last['pid']} "
+                    f"(report {last['_path']})", None))
+        for pid, rec in sorted(last.get("patches", {}).items()):
+            missing = (rec.get("runner") or {}).get("missing")
+            if missing:
+                out.append((f"model runner: patch {pid} did not fire on it: {'; '.join(missing)}", "warning"))
+        return out
+    asked = env.get("VLLM_USE_V2_MODEL_RUNNER")
+    if asked is not None and asked.strip().lower() in ("1", "true"):
+        want = "Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1)"
+    elif asked is not None and asked.strip().lower() in ("0", "false"):
+        want = "V1 (VLLM_USE_V2_MODEL_RUNNER=0)"
+    elif version is not None and Version(version) < Version("0.22.0"):
+        want = "V1 (vLLM before 0.22.0 builds Model Runner V2 only with VLLM_USE_V2_MODEL_RUNNER=1)"
+    else:
+        want = ("chosen by vLLM at start-up (VllmConfig.use_v2_model_runner: Model Runner V2 where the model and "
+                "build support it, e.g. CUDA with Triton; set VLLM_USE_V2_MODEL_RUNNER=0 or 1 to choose)")
+    out.append((f"model runner: {want}; no worker report in {directory} names the one built yet", None))
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     out = Out()
     inst = versions.installed_vllm()
@@ -70,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         out.line(f"vLLM: not installed (the support matrix covers {versions.RELEASES[0]} to "
                  f"{versions.RELEASES[-1]}: `vllm-overlay matrix`)", "error")
+    for text, level in runner_lines(inst.version if inst else None):
+        out.line(text, level)
     try:
         import torch
 

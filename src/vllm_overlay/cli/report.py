@@ -23,9 +23,12 @@ def print_reports(out: Out, reports: list[dict[str, Any]]) -> None:
         rows.append([str(r["pid"]), r["role"], str(r["vllm_version"]), str(c["applied"]), str(c["armed"]),
                      str(c["skipped"]), str(c["off"]), str(c["failed"]),
                      f"{(r.get('load_apply_s') or 0) * 1000:.0f} ms", str(fw["count"]),
-                     str(fw["min"]), str(fw["max"]), str(r["counters"].get("guard_trips", 0))])
+                     str(fw["min"]), str(fw["max"]), str(r["counters"].get("guard_trips", 0)),
+                     (r.get("runner") or {}).get("kind", "-")])
     out.table("processes", ("pid", "role", "vLLM", "applied", "armed", "skipped", "off", "failed",
-                            "load+apply", "forwards", "min", "max", "guard trips"), rows, ids=(0, 1))
+                            "load+apply", "forwards", "min", "max", "guard trips", "runner"), rows, ids=(0, 1))
+    for line, level in runner_lines(reports):
+        out.line(line, level)
     seen: dict[tuple[str, str, str], list[str]] = {}
     for r in reports:
         for pid, rec in r["patches"].items():
@@ -49,6 +52,23 @@ def print_reports(out: Out, reports: list[dict[str, Any]]) -> None:
             out.line(f"pid {r['pid']}: fused-MoE config {shape}: {source}")
         for e in r.get("events", [])[-10:]:
             out.line(f"pid {r['pid']}: {e}")
+
+
+def runner_lines(reports: list[dict[str, Any]]) -> list[tuple[str, str | None]]:
+    """The model runner each worker built (V1 or Model Runner V2), and any runner hook of a patch
+    that was not in place or did not fire by that worker's first forward."""
+    out: list[tuple[str, str | None]] = []
+    for r in reports:
+        runner = r.get("runner") or {}
+        if not runner:
+            continue
+        out.append((f"pid {r['pid']}: model runner {runner.get('kind')} ({runner.get('class')})", None))
+        for pid, rec in sorted(r.get("patches", {}).items()):
+            missing = (rec.get("runner") or {}).get("missing")
+            if missing:
+                out.append((f"pid {r['pid']}: patch {pid}: runner hooks that did not fire: {'; '.join(missing)}",
+                            "warning"))
+    return out
 
 
 def run(args: argparse.Namespace) -> int:

@@ -6,9 +6,20 @@ import weakref
 from typing import Any
 
 from vllm_overlay import budget
-from vllm_overlay.patches._runner import RUNNER, RUNNER_MODULE, dummy_tokens, tp_rank, worker_rank
+from vllm_overlay.patches import _runner
+from vllm_overlay.patches._runner import (
+    RUNNER_CLASS,
+    RUNNER_MODULES,
+    V1_MODULE,
+    V2_MODULE,
+    WORKER,
+    WORKER_MODULE,
+    dummy_tokens,
+    tp_rank,
+    worker_rank,
+)
 from vllm_overlay.report import STATE
-from vllm_overlay.spec import PatchSpec, Support, Target
+from vllm_overlay.spec import PatchSpec, Proof, Support, Target
 
 SPEC = PatchSpec(
     id="forward-telemetry",
@@ -18,23 +29,37 @@ SPEC = PatchSpec(
         "sizes that ordinary benchmarks never reach. Nobody can tell whether a test exercised the "
         "band unless every forward's scheduled-token count is recorded. This patch counts them "
         "(exact counts per size, power-of-two buckets, min and max) in the worker's JSON report, "
-        "and separately the dummy forwards vLLM runs for profiling, warm-up and graph capture."
+        "and separately the dummy forwards vLLM runs for profiling, warm-up and graph capture. It "
+        "hooks both of vLLM's model runners (V1 and Model Runner V2); the report names the one the "
+        "worker built."
     ),
     upstream="https://github.com/vllm-project/vllm/blob/v0.20.2/vllm/v1/worker/gpu_model_runner.py",
     targets=(
-        Target(RUNNER_MODULE, f"{RUNNER}.__init__", wrapper="_init"),
-        Target(RUNNER_MODULE, f"{RUNNER}.execute_model", wrapper="_execute_model", params=("scheduler_output",)),
-        Target(RUNNER_MODULE, f"{RUNNER}._dummy_run", wrapper="_dummy_run", params=("num_tokens", "is_profile")),
+        Target(V1_MODULE, f"{RUNNER_CLASS}.__init__", wrapper="_init"),
+        Target(V1_MODULE, f"{RUNNER_CLASS}.execute_model", wrapper="_execute_model", params=("scheduler_output",)),
+        Target(V1_MODULE, f"{RUNNER_CLASS}._dummy_run", wrapper="_dummy_run", params=("num_tokens", "is_profile")),
+        Target(V2_MODULE, f"{RUNNER_CLASS}.__init__", wrapper="_init"),
+        Target(V2_MODULE, f"{RUNNER_CLASS}.execute_model", wrapper="_execute_model_v2",
+               params=("scheduler_output", "dummy_run")),
+        Target(V2_MODULE, f"{RUNNER_CLASS}._dummy_run", wrapper="_dummy_run", params=("num_tokens", "is_profile")),
+        Target(WORKER_MODULE, f"{WORKER}.execute_model", wrapper="_worker_execute_model",
+               params=("scheduler_output",)),
     ),
     mechanism="wrap",
     support=(
         Support(">=0.20.0,<=0.33.0", "applies",
-                "the overlay's own per-forward counts; the V1 runner methods it wraps exist with the "
-                "parameters it reads"),
+                "the overlay's own per-forward counts. V1 runner: __init__, execute_model and _dummy_run "
+                "exist with the parameters it reads. Model Runner V2 (vllm/v1/worker/gpu/model_runner.py): "
+                "__init__, execute_model(scheduler_output, ..., dummy_run) and _dummy_run(num_tokens, "
+                "is_profile) exist; its start-up warm-up requests, named _warmup_{i}_, are counted as dummy "
+                "forwards; its graph-capture forwards are not counted (the graph manager runs them, not "
+                "_dummy_run)",
+                (Proof("v1/worker/gpu/warmup.py", 'f"_warmup_{i}_"'),)),
     ),
     default=True,
     retire_when="vLLM exports per-forward scheduled-token counts itself (a metric or a hook).",
-    settings=("VLLM_OVERLAY_REPORT_DIR",),
+    settings=("VLLM_OVERLAY_REPORT_DIR", "VLLM_OVERLAY_STRICT"),
+    either_modules=(RUNNER_MODULES,),
 )
 
 
@@ -68,6 +93,7 @@ def _note_runner(runner: Any) -> None:
 
 
 def _execute_model(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    _runner.fired(SPEC.id, instance, "execute_model")
     sched = kwargs.get("scheduler_output", args[0] if args else None)
     n = int(getattr(sched, "total_num_scheduled_tokens", 0) or 0)
     if n > 0:
@@ -76,7 +102,26 @@ def _execute_model(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: d
     return wrapped(*args, **kwargs)
 
 
+def _execute_model_v2(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Model Runner V2: its dummy forwards come here too (dummy_run=True, counted by _dummy_run),
+    and its start-up warm-up runs real steps on requests named _warmup_{i}_ (counted as dummy)."""
+    _runner.fired(SPEC.id, instance, "execute_model")
+    dummy = kwargs.get("dummy_run", args[2] if len(args) > 2 else False)
+    if not dummy:
+        sched = _runner.scheduler_output(args, kwargs)
+        n = int(getattr(sched, "total_num_scheduled_tokens", 0) or 0)
+        if n > 0:
+            _note_runner(instance)
+            if _runner.is_warmup(sched):
+                STATE.record_dummy(n, False)
+                STATE.count("warmup_forwards")
+            else:
+                STATE.record_forward(n)
+    return wrapped(*args, **kwargs)
+
+
 def _dummy_run(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    _runner.fired(SPEC.id, instance, "_dummy_run")
     n = dummy_tokens(args, kwargs)
     _note_runner(instance)
     STATE.record_dummy(n, bool(kwargs.get("is_profile")))
@@ -85,7 +130,16 @@ def _dummy_run(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[
 
 def _init(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     result = wrapped(*args, **kwargs)
+    _runner.fired(SPEC.id, instance, "__init__")
     _note_runner(instance)
     STATE.write()  # the live limits are visible to the harness before any traffic
     return result
 
+
+# every real forward of V1 and of V2 passes through the runner's execute_model
+_worker_execute_model = _runner.first_forward_check(lambda: SPEC, {"V1": ("execute_model",),
+                                                                   "V2": ("execute_model",)})
+
+
+def on_revert() -> None:
+    _runner.on_revert(SPEC.id)

@@ -14,20 +14,34 @@ head_dim), is freed with that engine's layers (a later engine in the same proces
 sized for its own config), and is zeroed slice by slice like stock's ``torch.zeros``. The capacity guard runs in the model
 runner, in plain Python before the compiled model is entered, for real and dummy forwards alike:
 a forward larger than the buffer raises ``CapacityError`` naming both sizes and the budget's
-source, and is counted in the report; it never reaches a slice.
+source, and is counted in the report; it never reaches a slice. On vLLM's V1 runner the guard
+reads each forward's input rows in ``_model_forward``; Model Runner V2 has no ``_model_forward``,
+so there it reads the padded token count its ``prepare_inputs`` receives (``batch_desc``), the
+token count of each ``_dummy_run``, and, before ``capture_model``, the largest CUDA graph size
+its graph manager will capture.
 """
 
 from __future__ import annotations
 
-import os
 import dataclasses
+import os
 import threading
 import weakref
 from typing import Any
 
 from vllm_overlay import budget, settings
 from vllm_overlay.errors import CapacityError
-from vllm_overlay.patches._runner import RUNNER, RUNNER_MODULE, dummy_tokens, forward_tokens
+from vllm_overlay.patches import _runner
+from vllm_overlay.patches._runner import (
+    RUNNER_CLASS,
+    RUNNER_MODULES,
+    V1_MODULE,
+    V2_MODULE,
+    WORKER,
+    WORKER_MODULE,
+    dummy_tokens,
+    forward_tokens,
+)
 from vllm_overlay.report import LOG, STATE
 from vllm_overlay.spec import Edit, PatchSpec, Proof, Support, Target, per_release
 
@@ -140,20 +154,43 @@ SPEC = PatchSpec(
         Target(MOD_QWEN, f"{CLS_QWEN}.__init__", ">=0.22.0", wrapper="_init"),
         Target(MOD_QWEN, f"{CLS_QWEN}.forward_cuda", ">=0.22.0"),
         Target(MOD_QWEN, f"{CLS_QWEN}.forward_cpu", ">=0.22.0"),
-        Target(RUNNER_MODULE, f"{RUNNER}._model_forward", wrapper="_model_forward",
+        Target(V1_MODULE, f"{RUNNER_CLASS}._model_forward", wrapper="_model_forward",
                params=("input_ids", "positions", "intermediate_tensors", "inputs_embeds")),
-        Target(RUNNER_MODULE, f"{RUNNER}._dummy_run", wrapper="_dummy_run", params=("num_tokens", "is_profile")),
+        Target(V1_MODULE, f"{RUNNER_CLASS}._dummy_run", wrapper="_dummy_run", params=("num_tokens", "is_profile")),
+        Target(V2_MODULE, f"{RUNNER_CLASS}.prepare_inputs", wrapper="_prepare_inputs_v2",
+               params=("scheduler_output", "batch_desc")),
+        Target(V2_MODULE, f"{RUNNER_CLASS}._dummy_run", wrapper="_dummy_run", params=("num_tokens", "is_profile")),
+        Target(V2_MODULE, f"{RUNNER_CLASS}.capture_model", wrapper="_capture_model_v2"),
+        Target(WORKER_MODULE, f"{WORKER}.execute_model", wrapper="_worker_execute_model",
+               params=("scheduler_output",)),
     ),
     mechanism="wrap+rewrite",
     support=(
         Support("<0.22.0", "applies",
                 f"{CLS_020}.forward_cuda allocates core_attn_out = torch.zeros((num_tokens, ...)) on "
-                "every forward (no forward_cpu in 0.20.x)",
-                (Proof(PATH_020, "core_attn_out = torch.zeros("),)),
-        Support(">=0.22.0,<=0.33.0", "applies",
+                "every forward (no forward_cpu in 0.20.x). Model Runner V2 refuses hybrid models here "
+                "(VLLM_USE_V2_MODEL_RUNNER does not yet support: hybrid/mamba models), so only the V1 "
+                "runner ever builds a GDN layer; the V2 hooks are in place but see no buffer",
+                (Proof(PATH_020, "core_attn_out = torch.zeros("),
+                 Proof("config/vllm.py", '"hybrid/mamba models"'))),
+        Support(">=0.22.0,<0.23.0", "applies",
                 f"the layer moved to {CLS_QWEN} (mamba/gdn/); its forward_cuda and forward_cpu allocate "
-                "core_attn_out = torch.zeros((num_tokens, ...)) on every forward",
-                (Proof(PATH_QWEN, "core_attn_out = torch.zeros("),)),
+                "core_attn_out = torch.zeros((num_tokens, ...)) on every forward. Model Runner V2 still "
+                "refuses hybrid models (hybrid/mamba models)",
+                (Proof(PATH_QWEN, "core_attn_out = torch.zeros("),
+                 Proof("config/vllm.py", '"hybrid/mamba models"'))),
+        Support(">=0.23.0,<0.25.0", "applies",
+                f"{CLS_QWEN}.forward_cuda and forward_cpu allocate core_attn_out = torch.zeros((num_tokens, "
+                "...)) on every forward. Model Runner V2 refuses hybrid models only with prefix caching "
+                "(mamba_cache_mode 'align'); without it the V2 hooks guard the buffer",
+                (Proof(PATH_QWEN, "core_attn_out = torch.zeros("),
+                 Proof("config/vllm.py", '"hybrid/mamba models with align cache mode"'))),
+        Support(">=0.25.0,<=0.33.0", "applies",
+                f"{CLS_QWEN}.forward_cuda and forward_cpu allocate core_attn_out = torch.zeros((num_tokens, "
+                "...)) on every forward. Model Runner V2 accepts hybrid models: its hooks (prepare_inputs' "
+                "batch_desc, _dummy_run, capture_model) guard the buffer",
+                (Proof(PATH_QWEN, "core_attn_out = torch.zeros("),
+                 Proof("config/vllm.py", '"hybrid/mamba models', present=False))),
     ),
     default=True,
     retire_when=(
@@ -167,6 +204,7 @@ SPEC = PatchSpec(
     ),
     changes_traced_code=True,
     rewrites=REWRITES,
+    either_modules=(RUNNER_MODULES,),
 )
 
 
@@ -347,17 +385,61 @@ def _engine_of(runner: Any) -> Any:
 
 
 def _model_forward(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    _runner.fired(SPEC.id, instance, "_model_forward")
     check(forward_tokens(args, kwargs), "forward", _engine_of(instance))
     return wrapped(*args, **kwargs)
 
 
 def _dummy_run(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    _runner.fired(SPEC.id, instance, "_dummy_run")
     check(dummy_tokens(args, kwargs), "profile forward" if kwargs.get("is_profile") else "dummy forward",
           _engine_of(instance))
     return wrapped(*args, **kwargs)
 
 
+def v2_forward_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+    """Rows of the forward Model Runner V2 is preparing: ``prepare_inputs(scheduler_output,
+    [batch_req_state,] batch_desc, ...)`` pads the batch to ``batch_desc.num_tokens`` (a CUDA graph
+    size or the data-parallel maximum); the largest of the counts it is given."""
+    counts = []
+    for value in (*args, *kwargs.values()):
+        for attr in ("total_num_scheduled_tokens", "num_tokens"):
+            n = getattr(value, attr, None)
+            if isinstance(n, int) and not isinstance(n, bool):
+                counts.append(n)
+    return max(counts) if counts else None
+
+
+def _prepare_inputs_v2(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    _runner.fired(SPEC.id, instance, "prepare_inputs")
+    check(v2_forward_tokens(args, kwargs), "forward", _engine_of(instance))
+    return wrapped(*args, **kwargs)
+
+
+def capture_sizes(runner: Any) -> list[int]:
+    """The token counts Model Runner V2's graph manager captures (none when graphs are off)."""
+    cc = getattr(getattr(runner, "vllm_config", None), "compilation_config", None)
+    if cc is None or not getattr(cc, "cudagraph_mode", None):
+        return []
+    return [int(n) for n in (getattr(cc, "cudagraph_capture_sizes", None) or [])]
+
+
+def _capture_model_v2(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """V2 captures its graphs without _dummy_run: the largest capture size is checked first."""
+    _runner.fired(SPEC.id, instance, "capture_model")
+    sizes = capture_sizes(instance)
+    if sizes:
+        check(max(sizes), "CUDA graph capture", _engine_of(instance))
+    return wrapped(*args, **kwargs)
+
+
+# every real forward passes through V1's _model_forward and V2's prepare_inputs
+_worker_execute_model = _runner.first_forward_check(lambda: SPEC, {"V1": ("_model_forward",),
+                                                                   "V2": ("prepare_inputs",)})
+
+
 def on_revert() -> None:
+    _runner.on_revert(SPEC.id)
     dropped: list[Any] = []  # the buffers die after the lock is released: their finalizer takes it
     with _lock:
         for ref in _layers:

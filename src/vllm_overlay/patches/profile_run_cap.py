@@ -7,9 +7,18 @@ from typing import Any
 
 from vllm_overlay import settings
 from vllm_overlay.errors import OverlayError
-from vllm_overlay.patches._runner import RUNNER, RUNNER_MODULE, dummy_tokens
+from vllm_overlay.patches import _runner
+from vllm_overlay.patches._runner import (
+    RUNNER_CLASS,
+    RUNNER_MODULES,
+    V1_MODULE,
+    V2_MODULE,
+    WORKER,
+    WORKER_MODULE,
+    dummy_tokens,
+)
 from vllm_overlay.report import LOG, STATE
-from vllm_overlay.spec import PatchSpec, Support, Target
+from vllm_overlay.spec import PatchSpec, Proof, Support, Target
 
 SPEC = PatchSpec(
     id="profile-run-cap",
@@ -26,24 +35,47 @@ SPEC = PatchSpec(
         "first forward above the cap dies with 'Workspace is locked but allocation from "
         "modular_kernel.py ... requires 16.00 MB, current size is 8.00 MB'). When it fires it says "
         "that activations above the cap were not profiled, so the KV cache may be sized larger than "
-        "the largest forward leaves room for; that full-size forward then fails at boot, not later."
+        "the largest forward leaves room for; that full-size forward then fails at boot, not later. "
+        "On Model Runner V2 the same two hooks apply (its profile_run calls _dummy_run(is_profile=True)); "
+        "its capture_model(profile_only=True), which only measures graph memory, gets no forward."
     ),
     upstream="https://github.com/vllm-project/vllm/blob/v0.20.2/vllm/v1/worker/gpu_model_runner.py (profile_run)",
     targets=(
-        Target(RUNNER_MODULE, f"{RUNNER}._dummy_run", wrapper="_dummy_run",
+        Target(V1_MODULE, f"{RUNNER_CLASS}._dummy_run", wrapper="_dummy_run",
                params=("num_tokens", "is_profile", "skip_eplb", "remove_lora")),
-        Target(RUNNER_MODULE, f"{RUNNER}.capture_model", wrapper="_capture_model"),
+        Target(V1_MODULE, f"{RUNNER_CLASS}.capture_model", wrapper="_capture_model"),
+        # Model Runner V2: _dummy_run takes remove_lora in **kwargs (and ignores it)
+        Target(V2_MODULE, f"{RUNNER_CLASS}._dummy_run", wrapper="_dummy_run",
+               params=("num_tokens", "is_profile", "skip_eplb")),
+        Target(V2_MODULE, f"{RUNNER_CLASS}.capture_model", "<0.30.0", wrapper="_capture_model"),
+        Target(V2_MODULE, f"{RUNNER_CLASS}.capture_model", ">=0.30.0", wrapper="_capture_model",
+               params=("profile_only",)),
+        Target(WORKER_MODULE, f"{WORKER}.execute_model", wrapper="_worker_execute_model",
+               params=("scheduler_output",)),
     ),
     mechanism="wrap",
     support=(
-        Support(">=0.20.0,<=0.33.0", "applies",
-                "the V1 runner's profiling forward (_dummy_run(is_profile=True)) and capture_model, "
-                "which it wraps, exist with the parameters it uses"),
+        Support("<0.30.0", "applies",
+                "V1 runner: the profiling forward (_dummy_run(is_profile=True)) and capture_model exist "
+                "with the parameters it uses. Model Runner V2: profile_run calls _dummy_run(max_num_tokens, "
+                "is_profile=True), which it wraps the same way; capture_model() takes no argument and V2 "
+                "does not lock the workspace after capture on these releases, so the full-size forward "
+                "before capture only moves a failure to boot (0.29.0 calls capture_model() twice, first to "
+                "measure graph memory: the forward runs before that first call)",
+                (Proof("v1/worker/gpu/model_runner.py", "lock_workspace()", present=False),)),
+        Support(">=0.30.0,<=0.33.0", "applies",
+                "V1 runner as before. Model Runner V2: _dummy_run(is_profile=True) as before; "
+                "capture_model(profile_only=True) measures graph memory during profiling and is passed "
+                "through; the full-size forward runs before the real capture_model(), after which V2 "
+                "locks the workspace",
+                (Proof("v1/worker/gpu/model_runner.py", "lock_workspace()"),
+                 Proof("v1/worker/gpu/cudagraph_utils.py", "capture_model(profile_only=True)"))),
     ),
     default=False,
     enabled_by="VLLM_OVERLAY_PROFILE_RUN_CAP",
     retire_when="Never needed for the GDN crash; retire once no user sets the cap.",
-    settings=("VLLM_OVERLAY_PROFILE_RUN_CAP",),
+    settings=("VLLM_OVERLAY_PROFILE_RUN_CAP", "VLLM_OVERLAY_STRICT"),
+    either_modules=(RUNNER_MODULES,),
 )
 
 
@@ -51,6 +83,7 @@ _capped: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()  # ru
 
 
 def _dummy_run(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    _runner.fired(SPEC.id, instance, "_dummy_run")
     if not kwargs.get("is_profile"):
         return wrapped(*args, **kwargs)
     cap = int(settings.value("VLLM_OVERLAY_PROFILE_RUN_CAP"))
@@ -113,6 +146,9 @@ def _no_capture(n: int, cap: int, why: str) -> None:
 
 
 def _capture_model(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    _runner.fired(SPEC.id, instance, "capture_model")
+    if kwargs.get("profile_only"):  # Model Runner V2 0.30.0+: graph memory measured during profiling
+        return wrapped(*args, **kwargs)
     n = _capped.pop(instance, None)
     if n:
         msg = (
@@ -129,6 +165,15 @@ def _capture_model(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: d
         except Exception as exc:
             raise RuntimeError(_failure_text(n, exc)) from exc
     return wrapped(*args, **kwargs)
+
+
+# no runner hook of the cap is on every forward's path: each must be the method the runner calls
+_worker_execute_model = _runner.first_forward_check(lambda: SPEC, {})
+
+
+def on_revert() -> None:
+    _runner.on_revert(SPEC.id)
+    _capped.clear()
 
 
 def _failure_text(n: int, exc: BaseException) -> str:

@@ -543,6 +543,9 @@ def cmd_steps(a: argparse.Namespace) -> int:
         key = point_key(n, c)
         if key in res["points"] or not a.reps:
             continue
+        if over_budget():
+            say(f"{a.label}: steps: --budget-s {a.budget_s} reached before {key} (run the same command again)")
+            break
         mt = sm.max_tokens_for(n, c, a.tokens, budget)
         need = n * (c + mt)
         why = None
@@ -561,11 +564,12 @@ def cmd_steps(a: argparse.Namespace) -> int:
                               "kv_tokens_needed": need, "reps": [], "complete": False}
         res["points"][key] = pt
         ov_before = overlay_totals(a.label)
-        for rep in range(a.reps):
+        rep = 0
+        while rep < a.reps + STEPS_SPARE_ROUNDS and valid_reps(pt) < a.reps:  # a failed round is made up
             if not alive(st["pid"]):
                 break
             if over_budget():
-                say(f"{a.label}: steps: --budget-s {a.budget_s} reached; {key} has {len(pt['reps'])} reps "
+                say(f"{a.label}: steps: --budget-s {a.budget_s} reached; {key} has {valid_reps(pt)} reps "
                     "(run the same command again to go on)")
                 break
             prompts = [sm.prompt_ids(c, "steps", n, rep, i) for i in range(n)]
@@ -575,22 +579,26 @@ def cmd_steps(a: argparse.Namespace) -> int:
             wall = time.time() - t0
             stats = sm.step_stats(got)
             errors = [g["error"] for g in got if g.get("error")]
-            r = {**stats, "wall_s": round(wall, 2), "spec_decode": spec_delta(before, spec_counters(port)),
-                 "errors": errors[:3]}
+            r = {**stats, "wall_s": round(wall, 2), "max_tokens": mt,
+                 "spec_decode": spec_delta(before, spec_counters(port)), "errors": errors[:3]}
             pt["reps"].append(r)
-            if rep == a.reps - 1:  # one round's chunk times, to re-read the stream later
-                t_ref = min(g["t_send"] for g in got)
-                pt["raw_last_rep"] = [[[round(t - t_ref, 5), k] for t, k in g["chunks"]] for g in got]
-            say(f"{a.label}: steps {key} rep {rep + 1}/{a.reps}: step {stats['step_ms']} ms (median interval "
-                f"{stats['interval_ms']}), prefill {stats.get('prefill_s')} s, {stats['steps']} steps, wall "
-                f"{wall:.1f} s, spec {json.dumps(r['spec_decode'])}" + (f", ERRORS {errors[:2]}" if errors else "")
-                + (f", {stats['why']}" if stats.get("why") else ""))
+            rep += 1
+            t_ref = min(g["t_send"] for g in got)  # the last round's chunk times, to re-read the stream later
+            pt["raw_last_rep"] = [[[round(t - t_ref, 5), k] for t, k in g["chunks"]] for g in got]
+            say(f"{a.label}: steps {key} round {rep} ({valid_reps(pt)}/{a.reps} valid): step {stats['step_ms']} ms "
+                f"(median interval {stats['interval_ms']}), prefill {stats.get('prefill_s')} s, {stats['steps']} "
+                f"steps, wall {wall:.1f} s, spec {json.dumps(r['spec_decode'])}"
+                + (f", ERRORS {errors[:2]}" if errors else "") + (f", {stats['why']}" if stats.get("why") else ""))
+            if stats["step_ms"] is None and not errors:
+                mt = mt + max(8, (mt - a.tokens) // 2)  # the window was empty: the scheduler lagged more
+                pt["max_tokens"] = mt
+                say(f"{a.label}: steps {key}: asking for {mt} tokens from the next round on")
             summarize_point(pt)
             save()
         if os.path.isdir(os.path.join(sdir(a.label), "reports")):
             time.sleep(1.5)  # the overlay's reports reach their files within a second
             pt["overlay"] = overlay_delta(ov_before, overlay_totals(a.label))
-        pt["complete"] = len([r for r in pt["reps"] if r["step_ms"] is not None]) >= a.reps
+        pt["complete"] = valid_reps(pt) >= a.reps
         summarize_point(pt)
         save()
         if over_budget():
@@ -614,6 +622,13 @@ def cmd_steps(a: argparse.Namespace) -> int:
             + "; the same command measures them again in this boot)")
         return 3 if cut else 4
     return 0
+
+
+STEPS_SPARE_ROUNDS = 2  # rounds a point may add to make up failed ones
+
+
+def valid_reps(pt: dict[str, Any]) -> int:
+    return sum(1 for r in pt["reps"] if r["step_ms"] is not None)
 
 
 def summarize_point(pt: dict[str, Any]) -> None:

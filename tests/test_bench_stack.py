@@ -437,3 +437,40 @@ def test_series_stops_on_refused_boot_arguments(tmp_path, monkeypatch, capsys) -
     rc = stack.main(["series", "issue14", "--labels", "tq-mtp", "--deadline", "30", "--boot-extra", "--gpu x"])
     text = capsys.readouterr().out
     assert rc == 2 and "tq-mtp: FAILED: boot refused its arguments" in text and "do not call again" in text
+
+
+def test_steps_control_flow(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """cmd_steps against a stand-in for the server's rounds (run_round and /metrics replaced: the CPU
+    build's scheduler never lags the way this case needs): a round whose window came out empty is
+    made up with more tokens asked for, a point that does not fit the logged KV cache is skipped and
+    said so, the warm-up runs once per boot, and a spent budget leaves the point for the next call."""
+    monkeypatch.setattr(stack, "STATE", str(tmp_path / "state"))
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    monkeypatch.setenv("STACK_COMPACT", "1")
+    os.makedirs(tmp_path / "state" / "x")
+    stack.save_state("x", {"pid": os.getpid(), "port": 1, "model": "m", "config": "overlay", "started": 0,
+                           "healthy_after_s": 1.0, "vllm_args": {"mnbt": 8192, "max_model_len": 70000, "mtp": 3,
+                                                                 "kv_cache_dtype": "turboquant_k8v4"}})
+    (tmp_path / "state" / "x" / "serve.log").write_text("INFO GPU KV cache size: 100,000 tokens\n")
+    monkeypatch.setattr(stack, "spec_counters", lambda port: {})
+    asked = []
+
+    def fake_round(port, model, prompts, max_tokens):  # type: ignore[no-untyped-def]
+        asked.append((len(prompts), len(prompts[0]), max_tokens))
+        tokens = 3 if len(asked) == 2 else max_tokens  # the first measured round: an empty window
+        return synthetic_round(len(prompts), 2, 0.2, 0.01, tokens)
+
+    monkeypatch.setattr(stack, "run_round", fake_round)
+    argv = ["steps", "x", "--streams", "2", "--contexts", "100,60000", "--tokens", "8", "--reps", "2"]
+    assert stack.main(argv) == 0
+    res = json.load(open(tmp_path / "state" / "x" / "steps.json"))
+    pt = res["points"]["2x100"]
+    assert pt["complete"] and len(pt["reps"]) == 3 and pt["step_ms"]["n"] == 2
+    assert pt["step_ms"]["median"] == pytest.approx(10.0) and pt["max_tokens"] > asked[1][2]
+    assert "exceed the KV cache (100000 tokens)" in res["skipped"]["2x60000"]
+    assert asked[0][0:2] == (2, 100) and len(res["warmups"]) == 1  # the warm-up, then 3 rounds
+    assert json.load(open(tmp_path / "out" / "x.json"))["summary"]["steps"]["points"]["2x100"]["complete"]
+    # another boot-time call: kept points stay, no second warm-up; a spent budget leaves a new point
+    asked.clear()
+    assert stack.main([*argv[:5], "100,200", *argv[6:], "--budget-s", "0"]) == 3
+    assert asked == [] and "2x200" not in json.load(open(tmp_path / "state" / "x" / "steps.json"))["points"]

@@ -15,6 +15,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 import common  # noqa: E402 - bench/common.py (stdlib only at import)
+import serve_measure  # noqa: E402 - bench/serve_measure.py (stdlib only)
 
 
 def fmt_stat(s: dict | None, scale: float = 1.0, digits: int = 1) -> str:  # type: ignore[type-arg]
@@ -349,7 +350,37 @@ def stack_section(paths: list[str]) -> list[str]:
                         "warm-up, (min-max)). Dummy weights: the MTP drafter's drafts are all rejected, so every step "
                         "pays for the drafts and the verify and yields one token.", "",
                     "| run | workload | ms per token per stream | tokens/s |", "|---|---|---|---|", *decode]
+        out += steps_lines(d)
         out.append("")
+    return out
+
+
+def steps_lines(d: dict) -> list[str]:  # type: ignore[type-arg]
+    """`stack.py steps` (decode step times at given contexts) and the logprob comparisons of a merge."""
+    out = []
+    table = serve_measure.steps_table(d["runs"])
+    if table:
+        tokens = sorted({r["steps"].get("tokens") for r in d["runs"].values() if r.get("steps")})
+        out += ["", "Decode step time through the server (`bench/stack.py steps`): each stream sends a prompt of the "
+                    "given length (random token ids, distinct per stream and round), greedy; a step is timed while "
+                    "every stream decodes and none has ended (per stream its time over the tokens it received then, "
+                    f"median over streams), {', '.join(map(str, tokens))} steps a round, median of the rounds in one "
+                    "boot. Dummy weights: every draft is rejected, so a speculative step yields one token and its "
+                    "time is drafting plus verifying.", "", *table]
+        drafts = []
+        for name, r in d["runs"].items():
+            for key, p in (r.get("steps") or {}).get("points", {}).items():
+                sd = p.get("spec_decode") or {}
+                if sd.get("drafts"):
+                    drafts.append(f"{name} {key}: {sd['drafts']:.0f} drafts, {sd.get('draft_tokens', 0):.0f} draft "
+                                  f"tokens, {sd.get('accepted_tokens', 0):.0f} accepted")
+            for key, why in (r.get("steps") or {}).get("skipped", {}).items():
+                drafts.append(f"{name} {key}: not measured: {why}")
+        if drafts:
+            out += ["", "Speculative decoding during the measured rounds (vLLM's /metrics): " + "; ".join(drafts) + "."]
+    for key, c in (d.get("logprobs_compare") or {}).items():
+        text = c.get("error") or serve_measure.describe_comparison(c)
+        out += ["", f"Logprobs, {c.get('what', '')} `{key}`: {text}."]
     return out
 
 

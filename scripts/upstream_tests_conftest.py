@@ -8,6 +8,10 @@ header then shows the overlay's own summary line, which module was loaded, the s
 patch and which overlay patch wraps ``Scheduler.__init__``; the end of the run shows what the
 prefill clamp did. ``--overlay-evidence PATH`` writes the same as JSON (the runner checks it). At
 exit every patch is reverted and what could not be taken off is recorded.
+
+It also provides ``caplog_vllm``, a fixture that vLLM's tests take from vLLM's own tests/conftest.py
+(not fetched): the log records of vLLM's ``vllm`` logger during the test, which pytest's ``caplog``
+may not see because vLLM's logging configuration stops that logger from propagating to the root.
 """
 
 from __future__ import annotations
@@ -29,6 +33,59 @@ class _Lines(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.lines.append(record.getMessage())
+
+
+class VllmLogCapture(logging.Handler):
+    """What ``caplog_vllm`` gives a test: the records that reached the ``vllm`` logger while it ran."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.NOTSET)
+        self.records: list[logging.LogRecord] = []
+        self.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    @property
+    def messages(self) -> list[str]:
+        return [r.getMessage() for r in self.records]
+
+    @property
+    def text(self) -> str:
+        return "".join(self.format(r) + "\n" for r in self.records)
+
+    def clear(self) -> None:
+        self.records.clear()
+
+
+@pytest.fixture
+def caplog_vllm() -> Any:
+    """Records of vLLM's ``vllm`` logger (and its children) during the test, at the levels vLLM's
+    logging configuration lets through; ``.text``, ``.messages``, ``.records``, ``.clear()``."""
+    capture = VllmLogCapture()
+    vllm_logger = logging.getLogger("vllm")
+    vllm_logger.addHandler(capture)
+    try:
+        yield capture
+    finally:
+        vllm_logger.removeHandler(capture)
+
+
+def _torchvision() -> dict[str, Any]:
+    """Which torchvision the test process imports, and whether its compiled operators loaded."""
+    try:
+        import torchvision
+    except Exception as exc:  # the runner checked it imports; a plain pytest run may not have it
+        return {"imported": False, "error": f"{type(exc).__name__}: {exc}"}
+    declared: list[str] = []
+    try:
+        import sitecustomize
+
+        declared = list(getattr(sitecustomize, "DECLARED", []))
+    except ImportError:
+        pass
+    return {"imported": True, "version": torchvision.__version__, "file": torchvision.__file__,
+            "ops_loaded": torchvision.extension._has_ops(), "declared_without_kernel": declared}
 
 
 def _scheduler_init_marks() -> list[str]:
@@ -79,6 +136,7 @@ def pytest_configure(config: pytest.Config) -> None:
         summary_lines=[line for line in lines.lines if " role " in line and " applied, " in line],
         patches_at_start={pid: rec["status"] for pid, rec in sorted(STATE.patches.items())},
         scheduler_init_wrapped_by=marks,
+        torchvision=_torchvision(),
     )
 
 
@@ -93,6 +151,13 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     out.append("vllm-overlay: patches " + ", ".join(f"{k}={v}" for k, v in e["patches_at_start"].items()))
     out.append("vllm-overlay: Scheduler.__init__ wrapped by " + (", ".join(e["scheduler_init_wrapped_by"])
                                                                   or "no overlay patch"))
+    tv = e["torchvision"]
+    if not tv["imported"]:
+        out.append(f"torchvision: does not import ({tv['error']})")
+    else:
+        ops = "loaded" if tv["ops_loaded"] else "not loaded; declared without a kernel: " + (
+            ", ".join(tv["declared_without_kernel"]) or "nothing")
+        out.append(f"torchvision: {tv['version']} from {tv['file']}; C++ operators {ops}")
     return out
 
 

@@ -100,7 +100,8 @@ def test_our_capacity_error_passes_through_unchanged(runner_cls, monkeypatch) ->
         r.capture_model()
 
 
-def test_eager_runner_says_the_precapture_forward_will_not_run(runner_cls, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("headroom", [False, True], ids=["headroom-off", "headroom-live"])
+def test_eager_runner_says_the_precapture_forward_will_not_run(runner_cls, monkeypatch, caplog, headroom) -> None:  # type: ignore[no-untyped-def]
     """With enforce_eager (and on the CPU worker) vLLM never calls capture_model: the promised
     full-size forward cannot run, which is counted every time and said once."""
     from types import SimpleNamespace
@@ -109,6 +110,7 @@ def test_eager_runner_says_the_precapture_forward_will_not_run(runner_cls, monke
 
     monkeypatch.setenv("VLLM_OVERLAY_PROFILE_RUN_CAP", "4096")
     monkeypatch.setattr(prc, "_no_capture_warned", False)
+    monkeypatch.setattr(prc, "_headroom_live", lambda: headroom)
     STATE.reset()
     r = runner_cls()
     r.model_config = SimpleNamespace(enforce_eager=True)
@@ -118,6 +120,9 @@ def test_eager_runner_says_the_precapture_forward_will_not_run(runner_cls, monke
     assert STATE.counters["precapture_forward_skipped"] == 2
     lines = [rec.getMessage() for rec in caplog.records if "will NOT run" in rec.getMessage()]
     assert len(lines) == 1 and "enforce_eager" in lines[0]
+    # what sizes the workspaces instead depends on whether memory-headroom is live in this process
+    assert ("memory-headroom's measuring forward of 8192 tokens" in lines[0]) == headroom
+    assert ("the first forward above the cap (4096)" in lines[0]) != headroom
     assert any("will NOT run" in e for e in STATE.events)
     assert r not in prc._capped
     STATE.reset()

@@ -138,9 +138,11 @@ def _no_capture(n: int, cap: int, why: str) -> None:
     if _no_capture_warned:
         return
     _no_capture_warned = True
+    instead = (f"memory-headroom's measuring forward of {n} tokens, before the KV cache is sized, sizes "
+               "them instead (unless its own line says it stood aside)" if _headroom_live() else
+               f"the first forward above the cap ({cap}) sizes them under traffic instead")
     msg = (f"profile-run-cap: {why}, so the un-profiled forward of {n} tokens that sizes the "
-           f"workspaces before capture will NOT run; the first forward above the cap ({cap}) sizes "
-           "them under traffic instead (counter precapture_forward_skipped)")
+           f"workspaces before capture will NOT run; {instead} (counter precapture_forward_skipped)")
     LOG.warning(msg)
     STATE.event(msg)
 

@@ -37,18 +37,6 @@ import common  # noqa: E402
 CONFIGS = {"overlay": {}, "stock": {"VLLM_OVERLAY": "0"}}
 
 
-class Capture(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            self.lines.append(record.getMessage())
-        except Exception:  # noqa: BLE001
-            pass
-
-
 def stats(xs: list[float]) -> dict[str, float]:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
@@ -79,7 +67,7 @@ def child(out: str, args: argparse.Namespace) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
-    cap = Capture()  # after importing vLLM, which configures its loggers at import
+    cap = common.Capture()  # after importing vLLM, which configures its loggers at import
     logging.getLogger("vllm").addHandler(cap)
 
     res: dict[str, Any] = {"config": args.config, "mnbt": args.mnbt, "model": args.model,

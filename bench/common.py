@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 import platform
 import random
@@ -51,6 +52,20 @@ def model_dir(name: str) -> str:
 def prompts(lens: list[int], seed: int = 0, vocab: int = 4000) -> list[dict[str, list[int]]]:
     rng = random.Random(seed)
     return [{"prompt_token_ids": [rng.randrange(10, vocab) for _ in range(n)]} for n in lens]
+
+
+class Capture(logging.Handler):
+    """Keeps the messages of the log records it is given (a bench script reads vLLM's lines from it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.lines.append(record.getMessage())
+        except Exception:  # noqa: BLE001
+            pass
 
 
 def environment() -> dict[str, Any]:

@@ -63,18 +63,6 @@ def config_env(config: str, cap: int) -> dict[str, str]:
     return env
 
 
-class Capture(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            self.lines.append(record.getMessage())
-        except Exception:  # noqa: BLE001
-            pass
-
-
 def worker_of(llm: Any) -> Any:
     """The in-process worker (uniprocess executor of vLLM 0.20.2), or None."""
     try:
@@ -138,7 +126,7 @@ def child(out: str, args: argparse.Namespace) -> None:
     import torch
     from vllm import LLM, SamplingParams
 
-    cap = Capture()
+    cap = common.Capture()
     logging.getLogger("vllm").addHandler(cap)
     res: dict[str, Any] = {"config": args.config, "mnbt": args.mnbt, "cap": args.cap, "mem": args.mem,
                            "model": args.model, "phases": []}

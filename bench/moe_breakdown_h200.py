@@ -67,18 +67,6 @@ def family(name: str) -> str:
     return "other"
 
 
-class Capture(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            self.lines.append(record.getMessage())
-        except Exception:  # noqa: BLE001
-            pass
-
-
 def load_trace(path: str) -> dict[str, Any]:
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
@@ -200,7 +188,7 @@ def child(out: str, args: argparse.Namespace) -> None:
     try:
         from vllm import LLM, SamplingParams
 
-        cap = Capture()
+        cap = common.Capture()
         logging.getLogger("vllm").addHandler(cap)
         logging.getLogger("vllm_overlay").addHandler(cap)
         t0 = time.time()

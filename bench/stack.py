@@ -177,11 +177,6 @@ def model_folder(model: str, mtp: int, spec_method: str) -> str:
     return folder
 
 
-def write_model(mtp: int) -> None:
-    """The 35B geometry's folder (kept for callers of the first version)."""
-    model_folder(GEOMETRY, mtp, "qwen3_next_mtp")
-
-
 def check_gpu(value: str | None) -> str | None:
     if value is None:
         return None

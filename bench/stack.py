@@ -3,7 +3,7 @@ calls (a server started with `boot` runs on in its own process session until `st
 
   python3 bench/stack.py boot LABEL --config overlay --tp 2 --ep --kv turboquant_k8v4 --mtp 3 [--wait S]
        [--gpu N] [--port P] [--mem F] [--model NAME|DIR] [--spec-method M] [--max-num-seqs N]
-       [--max-capture N] [--additional-config JSON] [--extra "ARGS"]
+       [--max-capture N] [--additional-config JSON] [--extra "ARGS"] [--overlay-env "NAME=VALUE ..."]
   python3 bench/stack.py wait LABEL --wait S          # until /health answers, the server dies, or S seconds
   python3 bench/stack.py stress LABEL --min-band 1000 --duration S
   python3 bench/stack.py decode LABEL --streams 1,16 --tokens 256 --reps 3
@@ -230,12 +230,15 @@ def cmd_boot(a: argparse.Namespace) -> int:
     # STACK_OVERLAY_ENV="NAME=VALUE ...": overlay settings for every server booted by this command
     # (the caller's own VLLM_OVERLAY_* / GENESIS_* variables are dropped above, so a configuration
     # is exactly what its name says plus these)
-    for item in shlex.split(os.environ.get("STACK_OVERLAY_ENV", "")):
-        name, sep, value = item.partition("=")
-        if not sep or not name.startswith(("VLLM_OVERLAY_", "GENESIS_")):
-            sys.exit(f"stack: STACK_OVERLAY_ENV item {item!r}: expected NAME=VALUE with a VLLM_OVERLAY_* or "
-                     "GENESIS_* name")
-        env[name] = value
+    # (--overlay-env adds to them for this server only: the series' fallback boot uses it)
+    for source, text in (("STACK_OVERLAY_ENV", os.environ.get("STACK_OVERLAY_ENV", "")),
+                         ("--overlay-env", a.overlay_env or "")):
+        for item in shlex.split(text):
+            name, sep, value = item.partition("=")
+            if not sep or not name.startswith(("VLLM_OVERLAY_", "GENESIS_")):
+                sys.exit(f"stack: {source} item {item!r}: expected NAME=VALUE with a VLLM_OVERLAY_* or "
+                         "GENESIS_* name")
+            env[name] = value
     env.update(MULTICAST_OFF)
     if gpu is not None:
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA's numbering = nvidia-smi's
@@ -1041,16 +1044,16 @@ def run_series_queue(name: str, items: list[tuple[str, list[str]]], gpu: str | N
                 booted = st.get("healthy_after_s") is not None
                 series_mark(label, failed="the server died" if booted else "boot failed")
                 dispatch(["stop", label])  # whatever is left of it frees the GPU
-                if not booted and "--max-capture" in boot_args and not mark.get("retry"):
-                    # the one setting these runs add to the earlier TurboQuant + MTP boots: boot once more
-                    # with vLLM's own capture sizes; the failed boot's state and bundle are kept aside
+                fallback = None if booted or mark.get("retry") else boot_fallback(boot_args, serve_log(label))
+                if fallback is not None:
+                    # boot once more with the one thing that stopped it left out; the failed boot's state
+                    # and bundle are kept aside
+                    args, why = fallback
                     put_aside(label, "failed-boot")
-                    i = boot_args.index("--max-capture")
-                    fallback = boot_args[:i] + boot_args[i + 2:]
-                    say(f"series: {label}: boot failed with --max-capture; booting again without it")
-                    dispatch(["boot", label, *fallback, *(["--gpu", gpu] if gpu is not None else []), "--wait", "0"])
+                    say(f"series: {label}: boot failed {why}; booting again {why.replace('with ', 'without ', 1)}")
+                    dispatch(["boot", label, *args, *(["--gpu", gpu] if gpu is not None else []), "--wait", "0"])
                     if series_state(label) is not None:
-                        series_mark(label, series=name, retry="without --max-capture")
+                        series_mark(label, series=name, retry=why.replace("with ", "without ", 1))
                 continue
             if mark.get("steps_rc") != 0 and mark.get("steps_attempts", 0) < SERIES_STEPS_ATTEMPTS:
                 budget = t_end - time.time() - SERIES_RESERVE_S
@@ -1077,6 +1080,30 @@ def run_series_queue(name: str, items: list[tuple[str, list[str]]], gpu: str | N
                 return
             dispatch(["stop", label])
             series_mark(label, done=True)
+
+
+HEADROOM_FAILED = "vllm-overlay memory-headroom: "
+
+
+def serve_log(label: str) -> str:
+    path = os.path.join(sdir(label), "serve.log")
+    return open(path, errors="replace").read() if os.path.exists(path) else ""
+
+
+def boot_fallback(boot_args: list[str], log_text: str) -> tuple[list[str], str] | None:
+    """The arguments of a second boot after a failed one, and what they leave out; None: no second boot.
+
+    A boot stopped by the overlay's memory-headroom patch (its measuring forward failed, or it left no
+    KV block) boots again with VLLM_OVERLAY_MEMORY_HEADROOM=0, so that the other measurements still
+    happen (that failure is a finding, kept in the failed boot's log). Any other failed boot with
+    --max-capture (the one setting these runs add to the earlier TurboQuant + MTP boots) boots again
+    with vLLM's own capture sizes."""
+    if HEADROOM_FAILED in log_text and "HeadroomError" in log_text:
+        return [*boot_args, "--overlay-env", "VLLM_OVERLAY_MEMORY_HEADROOM=0"], "with memory-headroom"
+    if "--max-capture" in boot_args:
+        i = boot_args.index("--max-capture")
+        return boot_args[:i] + boot_args[i + 2:], "with --max-capture"
+    return None
 
 
 def put_aside(label: str, tag: str) -> None:
@@ -1170,6 +1197,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--gpu", default=None, help="CUDA_VISIBLE_DEVICES for this server (nvidia-smi's numbering)")
     b.add_argument("--model", default=GEOMETRY, help="bench/models/NAME.json, 'tiny', or a model directory")
     b.add_argument("--max-num-seqs", type=int, default=None, help="--max-num-seqs (default: vLLM's)")
+    b.add_argument("--overlay-env", default=None, metavar='"NAME=VALUE ..."',
+                   help="overlay settings for this server, added to STACK_OVERLAY_ENV's")
     b.add_argument("--max-capture", type=int, default=None,
                    help="--max-cudagraph-capture-size (default: vLLM's; fewer graphs to capture at boot)")
     b.add_argument("--additional-config", default='{"gdn_prefill_backend":"triton"}',

@@ -418,7 +418,7 @@ def test_series_boots_once_more_without_max_capture_then_gives_up(tmp_path) -> N
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-4000:]
-    assert "boot failed with --max-capture; booting again without it" in out
+    assert "boot failed with --max-capture; booting again without --max-capture" in out
     assert "bf16-nomtp: FAILED: boot failed" in out
     assert sorted(os.listdir(tmp_path / "out")) == ["bf16-nomtp.failed-boot.json", "bf16-nomtp.json"]
     first = json.load(open(tmp_path / "out" / "bf16-nomtp.failed-boot.json"))
@@ -427,6 +427,21 @@ def test_series_boots_once_more_without_max_capture_then_gives_up(tmp_path) -> N
     assert "--max-cudagraph-capture-size" not in second["files"]["state.json"]["cmd"]
     assert second["files"]["state.json"]["series"]["retry"] == "without --max-capture"
     assert "no-such-vllm-flag" in second["logs"]["serve.log"]
+
+
+def test_second_boot_leaves_out_what_stopped_the_first() -> None:
+    """A boot stopped by memory-headroom boots again with the patch off (capture sizes kept); any other
+    failed boot with --max-capture boots again without it; otherwise no second boot."""
+    args = ["--config", "overlay", "--max-capture", "128", "--kv", "auto"]
+    headroom = ("(EngineCore pid=7) vllm_overlay.patches.memory_headroom.HeadroomError: vllm-overlay "
+                "memory-headroom: the measuring forward of 8192 tokens (max_num_batched_tokens) failed")
+    assert stack.boot_fallback(args, headroom) == (
+        [*args, "--overlay-env", "VLLM_OVERLAY_MEMORY_HEADROOM=0"], "with memory-headroom")
+    assert stack.boot_fallback(args, "torch.OutOfMemoryError: CUDA out of memory") == (
+        ["--config", "overlay", "--kv", "auto"], "with --max-capture")
+    assert stack.boot_fallback(["--config", "overlay"], "anything") is None
+    b = stack.build_parser().parse_args(["boot", "x", "--overlay-env", "VLLM_OVERLAY_MEMORY_HEADROOM=0"])
+    assert b.overlay_env == "VLLM_OVERLAY_MEMORY_HEADROOM=0"
 
 
 def test_series_stops_on_refused_boot_arguments(tmp_path, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]

@@ -48,7 +48,13 @@ def test_tunes_two_batch_sizes_and_the_patch_uses_the_file(tmp_path, monkeypatch
     STATE.reset()
     moe_configs.reset()
     fm.get_moe_configs.cache_clear()
-    installed = moe_configs.install(moe_configs.FUSED_MOE, fm)
+    import vllm
+
+    from vllm_overlay.mechanisms.install import install
+    from vllm_overlay.mechanisms.wrap import installing
+
+    with installing(moe_configs.PATCH_ID):  # as the plugin does: the patch's declared wrapper on this release
+        installed = install(moe_configs.SPEC, moe_configs, moe_configs.FUSED_MOE, vllm.__version__.split("+")[0])
     try:
         got = fm.get_moe_configs(256, 512, None)
         if backend.vllm_file(shape):  # vLLM ships its own file for this device: it stays in charge

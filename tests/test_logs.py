@@ -76,3 +76,22 @@ def test_vllm_and_root_loggers_are_left_alone() -> None:
     logs.setup()
     assert (vllm_logger.handlers, vllm_logger.propagate, vllm_logger.level, root.handlers, root.level) == before
     assert logs.LOG.propagate is True
+
+
+def test_the_summary_names_what_each_armed_patch_waits_for(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """An armed patch in a process that never imports its module (hybrid-turboquant's engine-config
+    target in a worker) is named with the module, so the count is never an unexplained number."""
+    from vllm_overlay import report
+
+    monkeypatch.setenv("VLLM_OVERLAY_REPORT_DIR", str(tmp_path))
+    st = report.ProcessState()
+    st.set_patch("gdn-output-prealloc", "applied")
+    st.set_patch("hybrid-turboquant", "armed", pending_modules=["vllm.engine.arg_utils"])
+    lines: list[str] = []
+    monkeypatch.setattr(report.LOG, "info", lambda fmt, *a: lines.append(fmt % a))
+    st.log_summary()
+    assert ("1 applied, 1 armed (module not imported yet: hybrid-turboquant waits for vllm.engine.arg_utils), "
+            "0 skipped") in lines[0]
+    st.set_patch("hybrid-turboquant", "applied")
+    st.log_summary()
+    assert "2 applied, 0 armed (module not imported yet), 0 skipped" in lines[1]

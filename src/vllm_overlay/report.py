@@ -201,10 +201,14 @@ class ProcessState:
         path = self.report_path()
         role = self.role()
         self.summary_role = role
+        with self.lock:
+            waiting = "; ".join(
+                f"{pid} waits for {', '.join(rec.get('pending_modules') or ['?'])}"
+                for pid, rec in sorted(self.patches.items()) if rec.get("status") == "armed")
         LOG.info(
-            "pid %d role %s: %d applied, %d armed (module not imported yet), %d skipped, "
+            "pid %d role %s: %d applied, %d armed (module not imported yet%s), %d skipped, "
             "%d off, %d upstream-merged, %d failed; report %s%s",
-            self.pid, role, c["applied"], c["armed"], c["skipped"], c["off"],
+            self.pid, role, c["applied"], c["armed"], f": {waiting}" if waiting else "", c["skipped"], c["off"],
             c["upstream-merged"], c["failed"], path, f" ({note})" if note else "",
         )
 

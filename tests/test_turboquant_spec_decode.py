@@ -199,7 +199,7 @@ def _cached() -> list[str]:
     return [v for v in versions.RELEASES if v in have]
 
 
-RELEASES = sorted({"0.20.2", "0.26.0", "0.33.0"} | set(_cached()), key=versions.RELEASES.index)
+RELEASES = sorted(set(STORE_CHECKED) | set(_cached()), key=versions.RELEASES.index)  # always the three
 
 
 def _sources(version: str) -> dict[str, str]:

@@ -631,3 +631,98 @@ def test_series_stops_when_a_worker_built_another_runner(tmp_path, monkeypatch, 
     # --expect-runner '' checks nothing; a value outside V1/V2 is refused
     with pytest.raises(SystemExit, match=r"--expect-runner 'V3': expected V1, V2 or ''"):
         stack.main(["series", "issue13", "--deadline", "1", "--expect-runner", "V3"])
+
+
+CPU_BOOT = ("--model tiny --max-model-len 8192 --mem 0.3 --additional-config '' "
+            "--extra '--max-num-seqs 32 --enforce-eager --no-enable-prefix-caching'")
+
+
+def stop_all(env: dict[str, str], labels: tuple[str, ...], state: str) -> None:
+    for label in labels:  # no server outlives a test
+        if os.path.exists(os.path.join(state, label, "state.json")):
+            subprocess.run([sys.executable, os.path.join(BENCH, "stack.py"), "stop", label, "--compact"],
+                           env=env, capture_output=True, timeout=120)
+
+
+@pytest.mark.engine
+def test_issue13_series_on_a_real_cpu_server(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`series issue13` through `vllm serve` of the tiny hybrid on the CPU build, which cannot build
+    Model Runner V2 ("Model Runner V2 requires Triton"): the V1 runner, asked for with --env and
+    --expect-runner V1, mnbt 8192, eager, a short stress. The overlay passes its stress and serves
+    logprobs; the forced 4096-row buffer serves (no CUDA graph capture, so no full-size forward at boot)
+    and stops with CapacityError under band traffic, as expected; stock serves logprobs; the series
+    prints overlay vs stock, and merge and the BENCHMARKS table carry the runner evidence."""
+    state, out = str(tmp_path / "state"), str(tmp_path / "out")
+    env = clean_env(STACK_STATE_DIR=state, OUT=out, PYTHONPATH=os.path.join(ROOT, "src"))
+    cmd = [sys.executable, os.path.join(BENCH, "stack.py"), "series", "issue13", "--compact", "--expect-runner", "V1",
+           "--base-port", str(free_port_block(4)), "--boot-extra", f"--env VLLM_USE_V2_MODEL_RUNNER=0 {CPU_BOOT}",
+           "--stress", "--min-band 3 --duration 60", "--guard-stress", "--min-band 3 --duration 30",
+           "--logprobs", "--prompts 3 --lengths 16,600,5000 --out lp", "--deadline", "800"]
+    try:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1000)
+    finally:
+        stop_all(env, ("v2-overlay", "v2-forced-guard", "v2-stock"), state)
+    log = p.stdout[-8000:] + p.stderr[-3000:]
+    assert p.returncode == 0 and "series issue13: all done" in p.stdout, log
+    assert "v2-overlay: done; healthy after" in p.stdout and "stress PASSED" in p.stdout, log
+    assert ("v2-forced-guard: done, stopped under band traffic with the overlay's CapacityError (as expected)"
+            in p.stdout), log
+    assert re.search(r"logprobs v2-overlay vs v2-stock \(lp\): first token, 3 prompts: top-1 equal 3/3", p.stdout), log
+    assert sorted(os.listdir(out)) == ["v2-forced-guard.json", "v2-overlay.json", "v2-stock.json"]
+    overlay = json.load(open(os.path.join(out, "v2-overlay.json")))["summary"]
+    assert overlay["vllm_env"]["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    ev = overlay["runner_evidence"]
+    assert ev["built"] == ["V1"] and ev["telemetry_fired"] and ev["guard_fired"] and ev["hooks_missing"] == {}
+    assert ev["forwards"] > 0 and ev["guard_trips"] == 0 and overlay["stress"]["requests_failed"] == 0
+    guard = json.load(open(os.path.join(out, "v2-forced-guard.json")))["summary"]
+    assert guard["runner_evidence"]["capacity_error"] and guard["runner_evidence"]["guard_trips"] == 1
+    assert guard["series"]["expected"].startswith("stopped under band traffic")
+    result = tmp_path / "merged.json"
+    assert stack.main(["merge", str(result), *(f"{x}={out}/{x}.json" for x in ("v2-overlay", "v2-forced-guard",
+                                                                               "v2-stock")),
+                       "--note", "CPU test"]) == 0
+    res = json.load(open(result))
+    c = res["logprobs_compare"]["v2-overlay vs v2-stock (lp)"]
+    assert c["what"] == "overlay vs stock" and c["first_token"]["top1_equal"] == 3 and c["same_tokens"] == 3
+    page = "\n".join(make_table.stack_section([str(result)]))
+    assert "| v2-forced-guard | stopped under band traffic with the overlay's CapacityError (as expected)" in page
+    assert "- `v2-overlay`: V1 (overlay reports, VLLM_USE_V2_MODEL_RUNNER=0); worker pid" in page
+    assert "Logprobs, overlay vs stock `v2-overlay vs v2-stock (lp)`" in page
+
+
+@pytest.mark.engine
+def test_issue13_series_edges_on_cpu(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The caller's VLLM_USE_V2_MODEL_RUNNER reaches the server (the CPU build refuses V2 at config time:
+    "Model Runner V2 requires Triton", which is how this shows it), as does the series' own --env, and
+    a failed boot of issue 13 is not booted again without --max-capture. Then the forced buffer with
+    memory-headroom on: its forward of max_num_batched_tokens stops the boot with CapacityError, which
+    the series records as the expected outcome."""
+    state, out = str(tmp_path / "state"), str(tmp_path / "out")
+    env = clean_env(STACK_STATE_DIR=state, OUT=out, PYTHONPATH=os.path.join(ROOT, "src"))
+    stack_py = os.path.join(BENCH, "stack.py")
+    port = free_port_block(4)
+    try:
+        p = subprocess.run([sys.executable, stack_py, "boot", "passthrough", "--compact", "--kv", "auto", "--mtp", "0",
+                            "--port", str(port + 3), *shlex.split(CPU_BOOT), "--wait", "200"],
+                           env={**env, "VLLM_USE_V2_MODEL_RUNNER": "1"}, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 1, p.stdout[-3000:]
+        b = json.load(open(os.path.join(out, "passthrough.json")))
+        assert "Model Runner V2 requires Triton" in b["logs"]["serve.log"]
+        assert b["summary"]["vllm_env"]["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+        series = [sys.executable, stack_py, "series", "issue13", "--compact", "--base-port", str(port)]
+        p = subprocess.run([*series, "--labels", "v2-overlay", "--boot-extra", CPU_BOOT, "--deadline", "200"],
+                           env=env, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0 and "v2-overlay: FAILED: boot failed" in p.stdout, p.stdout[-4000:]
+        assert "booting again" not in p.stdout
+        b = json.load(open(os.path.join(out, "v2-overlay.json")))
+        assert "Model Runner V2 requires Triton" in b["logs"]["serve.log"]
+        p = subprocess.run([*series, "--labels", "v2-forced-guard", "--expect-runner", "V1", "--boot-extra",
+                            f"--env VLLM_USE_V2_MODEL_RUNNER=0 --overlay-env VLLM_OVERLAY_MEMORY_HEADROOM=1 {CPU_BOOT}",
+                            "--deadline", "300"], env=env, capture_output=True, text=True, timeout=400)
+    finally:
+        stop_all(env, ("passthrough", "v2-overlay", "v2-forced-guard"), state)
+    assert p.returncode == 0, p.stdout[-4000:]
+    assert ("v2-forced-guard: done, stopped at boot with the overlay's CapacityError (as expected)"
+            in p.stdout), p.stdout[-4000:]
+    ev = json.load(open(os.path.join(out, "v2-forced-guard.json")))["summary"]["runner_evidence"]
+    assert ev["built"] == ["V1"] and ev["guard_trips"] == 1 and ev["capacity_error"]

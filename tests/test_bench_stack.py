@@ -529,7 +529,7 @@ def test_the_issue13_series_is_what_the_plan_says() -> None:
             "auto", 0, 8192, 128, "VLLM_USE_V2_MODEL_RUNNER=1", "qwen36-35b-a3b-geometry")
         assert b.config == {"v2-overlay": "overlay", "v2-forced-guard": "forced-guard", "v2-stock": "stock"}[label]
     s = parse(["stress", "x", *shlex.split(spec["stress"])])
-    assert (s.min_band, s.duration) == (500, 300)
+    assert (s.min_band, s.duration) == (500, 240)
     assert parse(["logprobs", "x", *shlex.split(spec["logprobs"])]).out == "lp"
     assert spec["expect_runner"] == "V2" and spec["compare"] == (("v2-overlay", "v2-stock", "lp"),)
     # issue 14's items keep their default (steps, logprobs)
@@ -726,3 +726,35 @@ def test_issue13_series_edges_on_cpu(tmp_path) -> None:  # type: ignore[no-untyp
             in p.stdout), p.stdout[-4000:]
     ev = json.load(open(os.path.join(out, "v2-forced-guard.json")))["summary"]["runner_evidence"]
     assert ev["built"] == ["V1"] and ev["guard_trips"] == 1 and ev["capacity_error"]
+
+
+V2_PLAN = os.path.join(BENCH, "v2_plan.md")
+
+
+def test_the_v2_plan_runs_as_written() -> None:
+    """bench/v2_plan.md: every device command fits a call (2,000 characters, one line) and each
+    `stack.py` in it parses as `series issue13 --compact`; the staging calls carry every part of
+    .gpu/0.26.0 (MANIFEST first); the merge names the series' labels."""
+    text = open(V2_PLAN).read()
+    blocks = re.findall(r"```\n(.*?)\n```", text, re.S)
+    device = [b for b in blocks if "series issue13" in b]
+    assert len(device) == 3
+    for cmd in device:
+        assert len(cmd) <= 2000 and "\n" not in cmd
+        found = re.findall(r"python3 bench/stack.py ([^;&|>]*)", re.sub(r"\$\(\([^)]*\)\)", "500", cmd))
+        assert found
+        for rest in found:
+            a = parse(shlex.split(rest))
+            assert a.step == "series" and a.name == "issue13" and a.compact and a.deadline in (570, 500)
+            assert set(filter(None, a.labels.split(","))) <= {x for x, _, _ in stack.series_items(stack.SERIES["issue13"])}
+    assert "bash bench/gpu/device_install.sh 0.26.0" in device[0] and os.path.isfile(
+        os.path.join(BENCH, "gpu", "device_install.sh"))
+    rows = [ln for ln in text.splitlines() if re.match(r"\| [1-5] \|", ln)]
+    assert len(rows) == 5 and "`.gpu/0.26.0/MANIFEST`" in rows[0]
+    carried = re.findall(r"`(\.gpu/0\.26\.0/[^`]+)`", "\n".join(rows))
+    assert sorted(carried) == sorted([f".gpu/0.26.0/part0{i}" for i in range(5)]
+                                     + [".gpu/0.26.0/MANIFEST", ".gpu/0.26.0/zstandard.whl"])
+    merge = next(b for b in blocks if "merge" in b).splitlines()[0]
+    m = parse(shlex.split(merge)[2:])
+    assert m.step == "merge" and m.result == "bench/results/stack-issue13-v2-h200.json"
+    assert [r.split("=")[0] for r in m.runs] == [x for x, _, _ in stack.series_items(stack.SERIES["issue13"])]

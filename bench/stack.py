@@ -264,22 +264,10 @@ def vllm_env_of(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in sorted(env.items()) if k.startswith("VLLM_") and not k.startswith(OVERLAY_PREFIXES)}
 
 
-def cmd_boot(a: argparse.Namespace) -> int:
-    d = sdir(a.label)
-    if os.path.exists(os.path.join(d, "state.json")):
-        st = json.load(open(os.path.join(d, "state.json")))
-        if alive(st["pid"]):
-            sys.exit(f"stack: {a.label!r} is already running (pid {st['pid']}); `stop {a.label}` first")
-    gpu = check_gpu(a.gpu)
-    if a.mtp < 0:
-        sys.exit(f"stack: boot --mtp {a.mtp}: expected 0 (no speculative decoding) or a number of tokens >= 1")
-    extra = shlex.split(a.extra) if a.extra else []
-    shutil.rmtree(d, ignore_errors=True)
-    os.makedirs(os.path.join(d, "reports"))
-    model = model_folder(a.model, a.mtp, a.spec_method)
-    env = server_env(a.config, a.overlay_env, a.env, gpu, os.path.join(d, "reports"))
-    cmd, entry = serve_command(env, model)
-    cmd += ["--host", "127.0.0.1", "--load-format", "dummy", "--skip-tokenizer-init"]
+def serve_args(a: argparse.Namespace) -> list[str]:
+    """The `vllm serve` arguments after the model of a `boot` (bench/gpu/serve_config_check.py parses
+    them with a staged vLLM's own parser)."""
+    cmd = ["--host", "127.0.0.1", "--load-format", "dummy", "--skip-tokenizer-init"]
     if a.additional_config:
         cmd += ["--additional-config", a.additional_config]
     cmd += ["--max-num-batched-tokens", str(a.mnbt), "--max-model-len", str(a.max_model_len),
@@ -299,7 +287,25 @@ def cmd_boot(a: argparse.Namespace) -> int:
         cmd += ["--max-num-seqs", str(a.max_num_seqs)]
     if a.max_capture:
         cmd += ["--max-cudagraph-capture-size", str(a.max_capture)]
-    cmd += extra
+    return cmd + (shlex.split(a.extra) if a.extra else [])
+
+
+def cmd_boot(a: argparse.Namespace) -> int:
+    d = sdir(a.label)
+    if os.path.exists(os.path.join(d, "state.json")):
+        st = json.load(open(os.path.join(d, "state.json")))
+        if alive(st["pid"]):
+            sys.exit(f"stack: {a.label!r} is already running (pid {st['pid']}); `stop {a.label}` first")
+    gpu = check_gpu(a.gpu)
+    if a.mtp < 0:
+        sys.exit(f"stack: boot --mtp {a.mtp}: expected 0 (no speculative decoding) or a number of tokens >= 1")
+    extra = shlex.split(a.extra) if a.extra else []
+    shutil.rmtree(d, ignore_errors=True)
+    os.makedirs(os.path.join(d, "reports"))
+    model = model_folder(a.model, a.mtp, a.spec_method)
+    env = server_env(a.config, a.overlay_env, a.env, gpu, os.path.join(d, "reports"))
+    cmd, entry = serve_command(env, model)
+    cmd += serve_args(a)
     used = gpu_used_mib(gpu)
     if used and max(used.values()) > 4096:
         say(f"{a.label}: WARNING: before boot GPU memory is already in use: {used} MiB (another server on this "
@@ -1250,7 +1256,8 @@ def run_series_queue(name: str, items: list[tuple[str, list[str], tuple[str, ...
                 say(f"series: {label}: it serves; band traffic next, which the forced buffer cannot hold")
                 series_mark(label, guard_stress_rc=dispatch(["stress", label, *opts["guard_stress"]]))
                 continue
-            if "steps" in phases and mark.get("steps_rc") != 0 and mark.get("steps_attempts", 0) < SERIES_STEPS_ATTEMPTS:
+            steps_left = mark.get("steps_rc") != 0 and mark.get("steps_attempts", 0) < SERIES_STEPS_ATTEMPTS
+            if "steps" in phases and steps_left:
                 budget = t_end - time.time() - SERIES_RESERVE_S
                 # a warm-up round is not cut by the budget and may compile kernels for minutes
                 if budget < (SERIES_ROUND_S if st.get("warm_streams") else SERIES_WARMUP_S):
@@ -1340,7 +1347,8 @@ def series_status(labels: list[str]) -> tuple[list[str], bool]:
         steps = result_files(label).get("steps.json")
         if steps:
             points = ", ".join(f"{k} {v['step_ms']['median'] if v.get('step_ms') else None} ms"
-                               + ("" if v.get("complete") else " (incomplete)") for k, v in steps.get("points", {}).items())
+                               + ("" if v.get("complete") else " (incomplete)")
+                               for k, v in steps.get("points", {}).items())
             parts.append(f"steps: {points or '-'}; skipped {steps.get('skipped') or '-'}")
         elif "steps_rc" in mark:
             parts.append("steps: -")

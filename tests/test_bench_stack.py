@@ -528,6 +528,11 @@ def test_the_issue13_series_is_what_the_plan_says() -> None:
         assert (b.kv, b.mtp, b.mnbt, b.max_capture, b.env, b.model) == (
             "auto", 0, 8192, 128, "VLLM_USE_V2_MODEL_RUNNER=1", "qwen36-35b-a3b-geometry")
         assert b.config == {"v2-overlay": "overlay", "v2-forced-guard": "forced-guard", "v2-stock": "stock"}[label]
+        # the `vllm serve` arguments (parsed by vLLM 0.26.0's own parser in bench/gpu/serve_config_check.py)
+        assert stack.serve_args(b) == [
+            "--host", "127.0.0.1", "--load-format", "dummy", "--skip-tokenizer-init", "--additional-config",
+            '{"gdn_prefill_backend":"triton"}', "--max-num-batched-tokens", "8192", "--max-model-len", "262144",
+            "--gpu-memory-utilization", "0.82", "--port", "8011", "--seed", "0", "--max-cudagraph-capture-size", "128"]
     s = parse(["stress", "x", *shlex.split(spec["stress"])])
     assert (s.min_band, s.duration) == (500, 240)
     assert parse(["logprobs", "x", *shlex.split(spec["logprobs"])]).out == "lp"
@@ -746,7 +751,8 @@ def test_the_v2_plan_runs_as_written() -> None:
         for rest in found:
             a = parse(shlex.split(rest))
             assert a.step == "series" and a.name == "issue13" and a.compact and a.deadline in (570, 500)
-            assert set(filter(None, a.labels.split(","))) <= {x for x, _, _ in stack.series_items(stack.SERIES["issue13"])}
+            known = {x for x, _, _ in stack.series_items(stack.SERIES["issue13"])}
+            assert set(filter(None, a.labels.split(","))) <= known
     assert "bash bench/gpu/device_install.sh 0.26.0" in device[0] and os.path.isfile(
         os.path.join(BENCH, "gpu", "device_install.sh"))
     rows = [ln for ln in text.splitlines() if re.match(r"\| [1-5] \|", ln)]
@@ -758,3 +764,11 @@ def test_the_v2_plan_runs_as_written() -> None:
     m = parse(shlex.split(merge)[2:])
     assert m.step == "merge" and m.result == "bench/results/stack-issue13-v2-h200.json"
     assert [r.split("=")[0] for r in m.runs] == [x for x, _, _ in stack.series_items(stack.SERIES["issue13"])]
+
+
+def test_serve_config_check_starts() -> None:
+    """bench/gpu/serve_config_check.py needs a staged vLLM (bench/v2_plan.md says where it ran); here
+    only that it loads and knows the series."""
+    p = subprocess.run([sys.executable, os.path.join(BENCH, "gpu", "serve_config_check.py"), "--help"],
+                       capture_output=True, text=True, timeout=60, check=False)
+    assert p.returncode == 0 and "issue13" in p.stdout, p.stderr

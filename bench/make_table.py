@@ -335,6 +335,9 @@ def stack_section(paths: list[str]) -> list[str]:
             st = r.get("stress") or {}
             outcome = ("served, stress " + st["verdict"] if st and r.get("healthy_after_s") is not None
                        else "served" if r.get("healthy_after_s") is not None else "FAILED at boot")
+            expected = (r.get("series") or {}).get("expected")
+            if expected:  # a run meant to stop (the forced buffer): what it did, as the series judged it
+                outcome = expected + (f"; stress {st['verdict']}" if st else "")
             secs = r.get("healthy_after_s") if r.get("healthy_after_s") is not None else r.get("died_after_s")
             band = (f"{st['band_forwards']} in ({st['band'][0]}, {st['band'][1]}], max forward {st['max_forward']}"
                     if st else "-")
@@ -345,6 +348,10 @@ def stack_section(paths: list[str]) -> list[str]:
             for wl, v in (r.get("decode") or {}).items():
                 decode.append(f"| {name} | {wl} | {fmt_stat(v['ms_per_token_per_stream'], digits=2)} | "
                               f"{fmt_stat(v['tokens_per_s'], digits=1)} |")
+        runners = runner_lines(d)
+        if runners:
+            out += ["", "Model runner and the overlay's runner hooks (from each worker's overlay report; a stock "
+                        "server has none, so there vLLM's own log line names the runner):", "", *runners]
         if decode:
             out += ["", "Decode through the server (32-token prompts, 256 tokens out, greedy; median of 3 after one "
                         "warm-up, (min-max)). Dummy weights: the MTP drafter's drafts are all rejected, so every step "
@@ -352,6 +359,32 @@ def stack_section(paths: list[str]) -> list[str]:
                     "| run | workload | ms per token per stream | tokens/s |", "|---|---|---|---|", *decode]
         out += steps_lines(d)
         out.append("")
+    return out
+
+
+def runner_lines(d: dict) -> list[str]:  # type: ignore[type-arg]
+    """Per run with runner evidence (bench/stack.py's summary since issue 13's series): the runner each
+    worker built and what the overlay's runner hooks did on it."""
+    out = []
+    for name, r in d["runs"].items():
+        ev = r.get("runner_evidence")
+        if not ev or not (ev.get("workers") or ev.get("built")):
+            continue
+        env = (r.get("vllm_env") or {}).get("VLLM_USE_V2_MODEL_RUNNER")
+        text = (f"`{name}`: {'/'.join(ev.get('built') or []) or 'unknown'} ({ev.get('built_from') or '-'}"
+                + (f", VLLM_USE_V2_MODEL_RUNNER={env}" if env is not None else "") + ")")
+        for w in ev.get("workers", []):
+            fired = "; ".join(f"{p} fired {', '.join(h.get('fired') or []) or 'nothing'}"
+                              + (f", MISSING {', '.join(h['missing'])}" if h.get("missing") else "")
+                              for p, h in sorted((w.get("hooks") or {}).items()))
+            c = w.get("counters") or {}
+            text += (f"; worker pid {w.get('pid')} ({(w.get('runner') or {}).get('class', '?')}): "
+                     f"{fired or 'no runner hook checked (no forward served)'}; telemetry forwards "
+                     f"{w.get('forwards')}, dummy forwards {w.get('dummy_forwards')}; guard checks / trips "
+                     f"{c.get('guard_checks', 0)} / {c.get('guard_trips', 0)}")
+        flags = [f"{k.replace('_', ' ')} {'yes' if ev.get(k) else 'no'}"
+                 for k in ("cap_fired", "precapture_forward", "capacity_error")]
+        out.append(f"- {text}; {', '.join(flags)}.")
     return out
 
 

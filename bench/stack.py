@@ -4,6 +4,7 @@ calls (a server started with `boot` runs on in its own process session until `st
   python3 bench/stack.py boot LABEL --config overlay --tp 2 --ep --kv turboquant_k8v4 --mtp 3 [--wait S]
        [--gpu N] [--port P] [--mem F] [--model NAME|DIR] [--spec-method M] [--max-num-seqs N]
        [--max-capture N] [--additional-config JSON] [--extra "ARGS"] [--overlay-env "NAME=VALUE ..."]
+       [--env "NAME=VALUE ..."]                       # e.g. --env VLLM_USE_V2_MODEL_RUNNER=1
   python3 bench/stack.py wait LABEL --wait S          # until /health answers, the server dies, or S seconds
   python3 bench/stack.py stress LABEL --min-band 1000 --duration S
   python3 bench/stack.py decode LABEL --streams 1,16 --tokens 256 --reps 3
@@ -11,6 +12,7 @@ calls (a server started with `boot` runs on in its own process session until `st
   python3 bench/stack.py logprobs LABEL --prompts 8 --top 20 --out NAME [--lengths 16,64,...]
   python3 bench/stack.py series issue14 --deadline S [--gpus 0,1] [--labels a,b]  # boot/steps/logprobs/stop
                                                       # label after label; again in the next call until done
+  python3 bench/stack.py series issue13 --deadline S  # Model Runner V2: stress + logprobs, forced guard, stock
   python3 bench/stack.py stop LABEL                   # ends the server, then `collect`
   python3 bench/stack.py collect LABEL                # copies log tail, reports, results into $OUT/LABEL
   python3 bench/stack.py merge RESULT.json NAME=DIR|NAME=LABEL.json|NAME='CALLS/*/LABEL.json' ...  # (here)
@@ -31,9 +33,12 @@ With `--compact` (or STACK_COMPACT=1) a step writes one file per label instead, 
 (summary, result files, the overlay's reports, the log's last 150 kB): a device call returns at
 most 8 files. `merge` and `compare` read either form.
 
-Several servers run side by side with their own LABEL, --port and --gpu (CUDA_VISIBLE_DEVICES, in
-nvidia-smi's order). `steps` and `logprobs` are described in bench/serve_measure.py; the plan of
-device calls for issue 14's measurements is bench/tq_mtp_steps_plan.md.
+Every server gets the caller's environment less its overlay settings: other variables, such as
+VLLM_USE_V2_MODEL_RUNNER, pass through; `--env` sets more for one server and the state records the
+server's VLLM_* variables. Several servers run side by side with their own LABEL, --port and --gpu
+(CUDA_VISIBLE_DEVICES, in nvidia-smi's order). `steps` and `logprobs` are described in
+bench/serve_measure.py; the plans of device calls: bench/tq_mtp_steps_plan.md (issue 14's
+measurements), bench/v2_plan.md (issue 13's proof on Model Runner V2).
 """
 
 from __future__ import annotations
@@ -212,42 +217,57 @@ def serve_command(env: dict[str, str], model: str) -> tuple[list[str], str]:
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model], "api_server"
 
 
-def cmd_boot(a: argparse.Namespace) -> int:
-    d = sdir(a.label)
-    if os.path.exists(os.path.join(d, "state.json")):
-        st = json.load(open(os.path.join(d, "state.json")))
-        if alive(st["pid"]):
-            sys.exit(f"stack: {a.label!r} is already running (pid {st['pid']}); `stop {a.label}` first")
-    gpu = check_gpu(a.gpu)
-    if a.mtp < 0:
-        sys.exit(f"stack: boot --mtp {a.mtp}: expected 0 (no speculative decoding) or a number of tokens >= 1")
-    extra = shlex.split(a.extra) if a.extra else []
-    shutil.rmtree(d, ignore_errors=True)
-    os.makedirs(os.path.join(d, "reports"))
-    model = model_folder(a.model, a.mtp, a.spec_method)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_OVERLAY", "GENESIS_"))}
-    env.update(CONFIGS[a.config])
+OVERLAY_PREFIXES = ("VLLM_OVERLAY", "GENESIS_")
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def env_items(source: str, text: str, overlay: bool) -> dict[str, str]:
+    """NAME=VALUE items of one shell-quoted string: overlay settings (VLLM_OVERLAY_* / GENESIS_*) or,
+    with overlay False, any other variable for vLLM (e.g. VLLM_USE_V2_MODEL_RUNNER=1)."""
+    out = {}
+    for item in shlex.split(text):
+        name, sep, value = item.partition("=")
+        if overlay and (not sep or not name.startswith(("VLLM_OVERLAY_", "GENESIS_"))):
+            sys.exit(f"stack: {source} item {item!r}: expected NAME=VALUE with a VLLM_OVERLAY_* or GENESIS_* name")
+        if not overlay and (not sep or not ENV_NAME.fullmatch(name) or name.startswith(OVERLAY_PREFIXES)):
+            sys.exit(f"stack: {source} item {item!r}: expected NAME=VALUE with a variable name that is not an "
+                     "overlay setting (those go in --overlay-env), e.g. VLLM_USE_V2_MODEL_RUNNER=1")
+        out[name] = value
+    return out
+
+
+def server_env(config: str, overlay_env: str | None, vllm_env: str | None, gpu: str | None,
+               report_dir: str) -> dict[str, str]:
+    """The server's environment: the caller's, less its overlay settings (VLLM_OVERLAY_* / GENESIS_*),
+    so that a configuration is exactly what its name says, plus STACK_OVERLAY_ENV's and --overlay-env's
+    overlay settings; every other variable of the caller (VLLM_USE_V2_MODEL_RUNNER among them) passes
+    through, and --env sets more for this server."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(OVERLAY_PREFIXES)}
+    env.update(CONFIGS[config])
     # STACK_OVERLAY_ENV="NAME=VALUE ...": overlay settings for every server booted by this command
-    # (the caller's own VLLM_OVERLAY_* / GENESIS_* variables are dropped above, so a configuration
-    # is exactly what its name says plus these)
     # (--overlay-env adds to them for this server only: the series' fallback boot uses it)
-    for source, text in (("STACK_OVERLAY_ENV", os.environ.get("STACK_OVERLAY_ENV", "")),
-                         ("--overlay-env", a.overlay_env or "")):
-        for item in shlex.split(text):
-            name, sep, value = item.partition("=")
-            if not sep or not name.startswith(("VLLM_OVERLAY_", "GENESIS_")):
-                sys.exit(f"stack: {source} item {item!r}: expected NAME=VALUE with a VLLM_OVERLAY_* or "
-                         "GENESIS_* name")
-            env[name] = value
+    env.update(env_items("STACK_OVERLAY_ENV", os.environ.get("STACK_OVERLAY_ENV", ""), True))
+    env.update(env_items("--overlay-env", overlay_env or "", True))
+    env.update(env_items("--env", vllm_env or "", False))
     env.update(MULTICAST_OFF)
     if gpu is not None:
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA's numbering = nvidia-smi's
         env["CUDA_VISIBLE_DEVICES"] = gpu
-    env["VLLM_OVERLAY_REPORT_DIR"] = os.path.join(d, "reports")
+    env["VLLM_OVERLAY_REPORT_DIR"] = report_dir
     env["TRITON_CACHE_AUTOTUNING"] = env.get("TRITON_CACHE_AUTOTUNING", "1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.join(ROOT, "src"), "/tmp/site", env.get("PYTHONPATH")) if p)
-    cmd, entry = serve_command(env, model)
-    cmd += ["--host", "127.0.0.1", "--load-format", "dummy", "--skip-tokenizer-init"]
+    return env
+
+
+def vllm_env_of(env: dict[str, str]) -> dict[str, str]:
+    """The server's VLLM_* variables that are not overlay settings (which model runner, and so on)."""
+    return {k: v for k, v in sorted(env.items()) if k.startswith("VLLM_") and not k.startswith(OVERLAY_PREFIXES)}
+
+
+def serve_args(a: argparse.Namespace) -> list[str]:
+    """The `vllm serve` arguments after the model of a `boot` (bench/gpu/serve_config_check.py parses
+    them with a staged vLLM's own parser)."""
+    cmd = ["--host", "127.0.0.1", "--load-format", "dummy", "--skip-tokenizer-init"]
     if a.additional_config:
         cmd += ["--additional-config", a.additional_config]
     cmd += ["--max-num-batched-tokens", str(a.mnbt), "--max-model-len", str(a.max_model_len),
@@ -267,7 +287,25 @@ def cmd_boot(a: argparse.Namespace) -> int:
         cmd += ["--max-num-seqs", str(a.max_num_seqs)]
     if a.max_capture:
         cmd += ["--max-cudagraph-capture-size", str(a.max_capture)]
-    cmd += extra
+    return cmd + (shlex.split(a.extra) if a.extra else [])
+
+
+def cmd_boot(a: argparse.Namespace) -> int:
+    d = sdir(a.label)
+    if os.path.exists(os.path.join(d, "state.json")):
+        st = json.load(open(os.path.join(d, "state.json")))
+        if alive(st["pid"]):
+            sys.exit(f"stack: {a.label!r} is already running (pid {st['pid']}); `stop {a.label}` first")
+    gpu = check_gpu(a.gpu)
+    if a.mtp < 0:
+        sys.exit(f"stack: boot --mtp {a.mtp}: expected 0 (no speculative decoding) or a number of tokens >= 1")
+    extra = shlex.split(a.extra) if a.extra else []
+    shutil.rmtree(d, ignore_errors=True)
+    os.makedirs(os.path.join(d, "reports"))
+    model = model_folder(a.model, a.mtp, a.spec_method)
+    env = server_env(a.config, a.overlay_env, a.env, gpu, os.path.join(d, "reports"))
+    cmd, entry = serve_command(env, model)
+    cmd += serve_args(a)
     used = gpu_used_mib(gpu)
     if used and max(used.values()) > 4096:
         say(f"{a.label}: WARNING: before boot GPU memory is already in use: {used} MiB (another server on this "
@@ -276,7 +314,8 @@ def cmd_boot(a: argparse.Namespace) -> int:
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
     st = {"label": a.label, "config": a.config, "pid": proc.pid, "port": a.port, "cmd": cmd, "model": model,
           "gpu": gpu, "serve_entry": entry, "gpu_used_mib_before": used,
-          "overlay_env": {k: v for k, v in env.items() if k.startswith(("VLLM_OVERLAY", "GENESIS_"))},
+          "overlay_env": {k: v for k, v in env.items() if k.startswith(OVERLAY_PREFIXES)},
+          "vllm_env": vllm_env_of(env),
           "vllm_args": {"tp": a.tp, "ep": a.ep, "kv_cache_dtype": a.kv, "mtp": a.mtp, "mnbt": a.mnbt,
                         "max_model_len": a.max_model_len, "gpu_memory_utilization": a.mem,
                         "spec_method": a.spec_method if a.mtp else None, "max_num_seqs": a.max_num_seqs,
@@ -801,13 +840,72 @@ def attach_results(s: dict[str, Any], files: dict[str, Any]) -> None:
             s.setdefault("logprobs", {})[name.removesuffix(".json")] = data
 
 
+RUNNER_V2_LINE = "Using V2 Model Runner"  # vLLM's worker logs it when it builds Model Runner V2 (0.2x)
+
+
+def runner_evidence(d: str, log_text: str) -> dict[str, Any]:
+    """Which model runner each worker built and what the overlay's runner hooks did, from the overlay's
+    reports in D/reports (a stock server has none: then only vLLM's own log line says V2).
+
+    Per worker: the runner (kind, class), per runner patch the hooks it has on that runner, those that
+    fired and those missing (checked after the worker's first forward), telemetry forward counts,
+    guard checks and trips. Then one flag per question: built (the kinds built, or from the log),
+    telemetry_fired, guard_fired, cap_fired, precapture_forward, hooks_missing, capacity_error."""
+    workers = []
+    for path in sorted(glob.glob(os.path.join(d, "reports", "overlay-*.json"))):
+        try:
+            r = json.load(open(path))
+        except Exception:  # noqa: BLE001 - a report being written
+            continue
+        if not (r.get("runner") or r.get("engine_config")):
+            continue  # the API server: no runner
+        hooks = {pid: rec["runner"] for pid, rec in (r.get("patches") or {}).items()
+                 if isinstance(rec, dict) and isinstance(rec.get("runner"), dict)}
+        tel = r.get("telemetry") if isinstance(r.get("telemetry"), dict) else {}
+        counters = r.get("counters") or {}
+        workers.append({
+            "pid": r.get("pid"), "role": r.get("role"), "tp_rank": r.get("tp_rank"),
+            "vllm_version": r.get("vllm_version"), "runner": r.get("runner"),
+            "hooks": {pid: {k: h.get(k) for k in ("kind", "hooks", "fired", "missing")} for pid, h in hooks.items()},
+            "forwards": (tel.get("forwards") or {}).get("count"),
+            "dummy_forwards": (tel.get("dummy_forwards") or {}).get("count"),
+            "profile_forward_tokens": tel.get("profile_forward_tokens"),
+            "counters": {k: counters[k] for k in ("guard_checks", "guard_trips", "guard_unreadable",
+                                                  "runner_hooks_not_fired") if k in counters},
+            "events": [e for e in (r.get("events") or []) if any(w in e for w in (
+                "profile-run-cap", "guard", "did not fire", "Model Runner V2", "memory-headroom"))][-12:],
+        })
+    kinds = sorted({(w["runner"] or {}).get("kind") or "unknown" for w in workers if w["runner"]})
+    events = [e for w in workers for e in w["events"]]
+    fired = {p: set() for p in ("forward-telemetry", "gdn-output-prealloc", "profile-run-cap")}
+    for w in workers:
+        for p, h in w["hooks"].items():
+            fired.setdefault(p, set()).update(h.get("fired") or [])
+    return {
+        "workers": workers,
+        "built": kinds or (["V2"] if RUNNER_V2_LINE in log_text else []),
+        "built_from": "overlay reports" if kinds else ("vLLM's log" if RUNNER_V2_LINE in log_text else None),
+        "log_says_v2": RUNNER_V2_LINE in log_text,
+        "telemetry_fired": bool(fired["forward-telemetry"] & {"execute_model", "_model_forward"}),
+        "guard_fired": bool(fired["gdn-output-prealloc"] & {"prepare_inputs", "_model_forward"}),
+        "guard_checks": sum(w["counters"].get("guard_checks", 0) for w in workers),
+        "guard_trips": sum(w["counters"].get("guard_trips", 0) for w in workers),
+        "cap_fired": any("profiling forward capped" in e for e in events),
+        "precapture_forward": any("before CUDA graph capture" in e for e in events),
+        "hooks_missing": {f"{w['pid']}:{p}": h["missing"] for w in workers for p, h in w["hooks"].items()
+                          if h.get("missing")},
+        "forwards": sum(w["forwards"] or 0 for w in workers if w["tp_rank"] in (None, 0)),
+        "capacity_error": "CapacityError" in log_text or "exceeds the GDN output buffer" in log_text,
+    }
+
+
 def summarize(label: str) -> dict:
     st = load_state(label)
     d = sdir(label)
     text = open(os.path.join(d, "serve.log"), errors="replace").read()
-    s = {k: st.get(k) for k in ("config", "started_utc", "vllm_args", "overlay_env", "healthy_after_s",
+    s = {k: st.get(k) for k in ("config", "started_utc", "vllm_args", "overlay_env", "vllm_env", "healthy_after_s",
                                  "died_after_s", "stress_runs", "gpu", "model", "serve_entry", "stopped_after_s",
-                                 "gpu_freed")}
+                                 "gpu_freed", "series")}
     s["server_alive"] = alive(st["pid"])
     for key, pat in (("kv_cache_tokens", r"KV cache size: ([0-9,]+) tokens"),
                      ("init_engine_s", r"init engine \(profile, create kv cache, warmup model\) took ([0-9.]+)"),
@@ -835,6 +933,7 @@ def summarize(label: str) -> dict:
                       "buffers": [{k: b.get(k) for k in ("rows", "bytes", "source", "requested_source") if k in b}
                                   for b in r.get("buffers", [])][:4]})
     s["processes"] = procs
+    s["runner_evidence"] = runner_evidence(d, text)
     sp = os.path.join(d, "stress", "stress.json")
     if os.path.exists(sp):
         r = json.load(open(sp))
@@ -933,9 +1032,15 @@ def load_run(item: str) -> tuple[str, dict[str, Any]]:
     return name, s
 
 
+def runner_env(run: dict[str, Any]) -> str | None:
+    return (run.get("vllm_env") or {}).get("VLLM_USE_V2_MODEL_RUNNER")
+
+
 def logprob_pairs(runs: dict[str, dict[str, Any]], top: int = 20) -> dict[str, Any]:
-    """Every pair of runs that differ in exactly one of (KV dtype, speculative tokens), compared on each
-    logprob run both have under the same name: MTP on vs off with one KV dtype is issue 14's check."""
+    """Pairs of runs compared on each logprob run both have under the same name: with the same
+    configuration, those that differ in exactly one of (KV dtype, speculative tokens) (MTP on vs off with
+    one KV dtype is issue 14's check); an overlay configuration and stock with the same KV dtype,
+    speculative tokens and VLLM_USE_V2_MODEL_RUNNER (issue 13's check: outputs match stock on one runner)."""
     out = {}
     names = list(runs)
     for i, x in enumerate(names):
@@ -943,15 +1048,23 @@ def logprob_pairs(runs: dict[str, dict[str, Any]], top: int = 20) -> dict[str, A
             ax, ay = runs[x].get("vllm_args") or {}, runs[y].get("vllm_args") or {}
             same_kv = ax.get("kv_cache_dtype") == ay.get("kv_cache_dtype")
             same_mtp = bool(ax.get("mtp")) == bool(ay.get("mtp"))
-            if same_kv == same_mtp:
+            cx, cy = runs[x].get("config"), runs[y].get("config")
+            if cx != cy:
+                if "stock" not in (cx, cy) or not (same_kv and same_mtp) or runner_env(runs[x]) != runner_env(runs[y]):
+                    continue
+                first, second = (y, x) if cx == "stock" else (x, y)
+                what = "overlay vs stock"
+            elif same_kv == same_mtp:
                 continue
-            first, second = (x, y) if (ax.get("mtp") or 0) >= (ay.get("mtp") or 0) else (y, x)
+            else:
+                first, second = (x, y) if (ax.get("mtp") or 0) >= (ay.get("mtp") or 0) else (y, x)
+                what = "MTP on vs off" if same_kv else "KV dtype"
             for lp in sorted(set(runs[x].get("logprobs") or {}) & set(runs[y].get("logprobs") or {})):
                 try:
                     c = sm.compare_logprobs(runs[first]["logprobs"][lp], runs[second]["logprobs"][lp], top)
                 except ValueError as exc:
                     c = {"error": str(exc)}
-                c["what"] = "MTP on vs off" if same_kv else "KV dtype"
+                c["what"] = what
                 out[f"{first} vs {second} ({lp})"] = c
     return out
 
@@ -981,20 +1094,60 @@ def cmd_merge(a: argparse.Namespace) -> int:
 # Issue 14's measurements: verify-step times and logprobs, TurboQuant k8v4 and bf16 KV, MTP on and off.
 # --max-capture 128 captures the CUDA graphs of up to 128 tokens only (vLLM's default mode, fewer sizes:
 # a shorter boot); every measured step (16 streams x 4 tokens at most) is one of them.
+#
+# Issue 13's proof on Model Runner V2 (bench/v2_plan.md): the same geometry without MTP, bf16 KV, with
+# VLLM_USE_V2_MODEL_RUNNER=1 set for every server; the overlay's band stress and logprobs, the forced
+# 4096-row buffer (expected to stop with the overlay's CapacityError, at boot or under band traffic:
+# that is its result, not a failure to retry) and stock vLLM's logprobs on the same runner.
+#
+# A series names, per label, its boot arguments and what runs once it serves ("do"): steps, stress,
+# logprobs, or guard (the label is expected to stop with CapacityError). "fallbacks": what a failed boot
+# may leave out in one second boot ("headroom": memory-headroom, when it stopped the boot; "max-capture":
+# --max-capture, after any other failure). "expect_runner": the model runner every worker must build
+# (read from the overlay's reports, or vLLM's own log line for a stock server); another one stops the
+# series (exit 2). "compare": logprob runs printed side by side at the end.
 SERIES: dict[str, dict[str, Any]] = {
     "issue14": {
         "boot": "--config overlay --max-capture 128",
         "steps": "--streams 1,16 --contexts 2048,32768 --tokens 64 --reps 3",
         "logprobs": "--prompts 8 --top 20 --out lp",
+        "do": ("steps", "logprobs"),
+        "fallbacks": ("headroom", "max-capture"),
         "items": [("tq-mtp", "--kv turboquant_k8v4 --mtp 3"), ("bf16-mtp", "--kv auto --mtp 3"),
                   ("tq-nomtp", "--kv turboquant_k8v4 --mtp 0"), ("bf16-nomtp", "--kv auto --mtp 0")],
     },
+    "issue13": {
+        "boot": "--kv auto --mtp 0 --max-capture 128 --env VLLM_USE_V2_MODEL_RUNNER=1",
+        # --min-band 500 plans 751 waves (one band forward each when all three prefills of a wave share a step);
+        # --duration is the ceiling: 500 band forwards need 2.1 a second (2.9 were measured with MTP on 0.20.2)
+        "stress": "--min-band 500 --duration 240",
+        "guard_stress": "--min-band 20 --duration 90",  # only when the forced buffer's server serves
+        "logprobs": "--prompts 8 --top 20 --out lp",
+        "expect_runner": "V2",
+        "fallbacks": ("headroom",),
+        "compare": (("v2-overlay", "v2-stock", "lp"),),
+        "items": [("v2-overlay", "--config overlay", ("stress", "logprobs")),
+                  ("v2-forced-guard", "--config forced-guard", ("guard",)),
+                  ("v2-stock", "--config stock", ("logprobs",))],
+    },
 }
+PHASES = ("steps", "stress", "logprobs", "guard")
 REFUSED: dict[str, str] = {}  # labels whose boot never started, this process
+ABORTED: dict[str, str] = {}  # labels that built another model runner than the series expects
 SERIES_RESERVE_S = 45  # kept back from a label's steps for its logprobs and stop within the call
 SERIES_ROUND_S = 40  # least budget to start steps with: one round of 16 x 32K (prefill + decode) fits
 SERIES_WARMUP_S = 150  # ... before the boot's warm-up, which compiles the first verify steps' kernels
 SERIES_STEPS_ATTEMPTS = 2
+SERIES_STRESS_EXTRA_S = 90  # a stress takes up to --duration + its warm-up wave and report reads (stress's limit)
+
+
+def series_items(spec: dict[str, Any]) -> list[tuple[str, str, tuple[str, ...]]]:
+    """(label, boot arguments, what runs once it serves) of each item; "do" is the series' default."""
+    out = []
+    for item in spec["items"]:
+        label, boot = item[0], item[1]
+        out.append((label, boot, tuple(item[2]) if len(item) > 2 else tuple(spec.get("do", ("steps", "logprobs")))))
+    return out
 
 
 def dispatch(argv: list[str]) -> int:
@@ -1017,12 +1170,24 @@ def series_mark(label: str, **kv: Any) -> None:
     save_state(label, st)
 
 
-def run_series_queue(name: str, items: list[tuple[str, list[str]]], gpu: str | None, t_end: float,
-                     steps_args: list[str], lp_args: list[str] | None) -> None:
-    """Each label in turn on one GPU: boot, wait, steps (resumed in the next call when time runs out),
-    logprobs, stop; the next label's boot starts at once, so it goes on between calls."""
-    for label, boot_args in items:
+def stress_verdict(label: str) -> dict[str, Any]:
+    path = os.path.join(sdir(label), "stress", "stress.json")
+    try:
+        r = json.load(open(path))
+    except (OSError, ValueError):
+        return {}
+    return {k: r.get(k) for k in ("verdict", "band_forwards", "requests_ok", "requests_failed", "guard_trips")}
+
+
+def run_series_queue(name: str, items: list[tuple[str, list[str], tuple[str, ...]]], gpu: str | None,
+                     t_end: float, opts: dict[str, Any]) -> None:
+    """Each label in turn on one GPU: boot, wait, what its item asks for (steps resumed in the next call
+    when time runs out), stop; the next label's boot starts at once, so it goes on between calls.
+    opts: steps/stress/guard_stress/logprobs (argument lists, or None), fallbacks, expect_runner."""
+    for label, boot_args, phases in items:
         while True:
+            if ABORTED:
+                return
             st = series_state(label)
             mark = (st or {}).get("series", {})
             if mark.get("done") or mark.get("failed"):
@@ -1040,11 +1205,41 @@ def run_series_queue(name: str, items: list[tuple[str, list[str]]], gpu: str | N
             rc = wait(label, left - 5)
             if rc == 2:
                 return  # still booting: the next call waits on
+            booted = load_state(label).get("healthy_after_s") is not None
+            if "runner" not in mark:  # the first time it serves or has died: which model runner it built
+                ev = runner_evidence(sdir(label), serve_log(label))
+                series_mark(label, runner=ev["built"], runner_from=ev["built_from"])
+                want = opts.get("expect_runner")
+                say(f"series: {label}: model runner {'/'.join(ev['built']) or 'unknown'} "
+                    f"({ev['built_from'] or 'no overlay report names it, no V2 line in the log'})"
+                    + (f", {want} expected" if want else ""))
+                if want and ev["built"] and ev["built"] != [want]:
+                    why = f"its workers built the {'/'.join(ev['built'])} model runner, {want} expected"
+                    series_mark(label, failed=why)
+                    ABORTED[label] = why
+                    dispatch(["stop", label])
+                    return
+                continue
+            if "guard" in phases and (rc == 1 or "guard_stress_rc" in mark):
+                # the forced buffer is expected to stop the server with the overlay's CapacityError: at boot,
+                # or under the band traffic sent once it served (its log says which, whether or not the API
+                # server process outlived the engine)
+                when = "under band traffic" if booted else "at boot"
+                if runner_evidence(sdir(label), serve_log(label))["capacity_error"]:
+                    series_mark(label, expected=f"stopped {when} with the overlay's CapacityError (as expected)")
+                    dispatch(["stop", label])
+                    series_mark(label, done=True)
+                else:
+                    series_mark(label, failed=(f"died {when} WITHOUT the overlay's CapacityError (see its log)"
+                                               if rc == 1 else "served band traffic without the overlay's "
+                                               "CapacityError: the guard did not stop it"))
+                    dispatch(["stop", label])
+                continue
             if rc == 1:
-                booted = st.get("healthy_after_s") is not None
                 series_mark(label, failed="the server died" if booted else "boot failed")
                 dispatch(["stop", label])  # whatever is left of it frees the GPU
-                fallback = None if booted or mark.get("retry") else boot_fallback(boot_args, serve_log(label))
+                fallback = (None if booted or mark.get("retry")
+                            else boot_fallback(boot_args, serve_log(label), opts["fallbacks"]))
                 if fallback is not None:
                     # boot once more with the one thing that stopped it left out; the failed boot's state
                     # and bundle are kept aside
@@ -1055,12 +1250,19 @@ def run_series_queue(name: str, items: list[tuple[str, list[str]]], gpu: str | N
                     if series_state(label) is not None:
                         series_mark(label, series=name, retry=why.replace("with ", "without ", 1))
                 continue
-            if mark.get("steps_rc") != 0 and mark.get("steps_attempts", 0) < SERIES_STEPS_ATTEMPTS:
+            if "guard" in phases:  # it serves: band traffic must meet the guard
+                if t_end - time.time() < opts["guard_stress_s"] + SERIES_STRESS_EXTRA_S:
+                    return
+                say(f"series: {label}: it serves; band traffic next, which the forced buffer cannot hold")
+                series_mark(label, guard_stress_rc=dispatch(["stress", label, *opts["guard_stress"]]))
+                continue
+            steps_left = mark.get("steps_rc") != 0 and mark.get("steps_attempts", 0) < SERIES_STEPS_ATTEMPTS
+            if "steps" in phases and steps_left:
                 budget = t_end - time.time() - SERIES_RESERVE_S
                 # a warm-up round is not cut by the budget and may compile kernels for minutes
                 if budget < (SERIES_ROUND_S if st.get("warm_streams") else SERIES_WARMUP_S):
                     return
-                rc = dispatch(["steps", label, *steps_args, "--budget-s", f"{budget:.0f}"])
+                rc = dispatch(["steps", label, *opts["steps"], "--budget-s", f"{budget:.0f}"])
                 # steps cut short by the budget (3) is no attempt; done (0) or with failed points (4) is
                 series_mark(label, steps_rc=rc, steps_attempts=mark.get("steps_attempts", 0) + (rc != 3))
                 if rc not in (0, 3, 4):
@@ -1071,10 +1273,19 @@ def run_series_queue(name: str, items: list[tuple[str, list[str]]], gpu: str | N
                     if t_end - time.time() < SERIES_RESERVE_S:
                         return
                     continue
-            if lp_args is not None and "logprobs_rc" not in mark:
+            if "stress" in phases and "stress_rc" not in mark:
+                if t_end - time.time() < opts["stress_s"] + SERIES_STRESS_EXTRA_S:
+                    return  # a stress is not resumable: it starts in a call with room for all of it
+                rc = dispatch(["stress", label, *opts["stress"]])
+                series_mark(label, stress_rc=rc, stress=stress_verdict(label))
+                if not alive(load_state(label)["pid"]):
+                    series_mark(label, failed=f"the server died during the stress (exit {rc})")
+                    dispatch(["stop", label])
+                continue
+            if "logprobs" in phases and opts["logprobs"] is not None and "logprobs_rc" not in mark:
                 if t_end - time.time() < 30:
                     return
-                series_mark(label, logprobs_rc=dispatch(["logprobs", label, *lp_args]))
+                series_mark(label, logprobs_rc=dispatch(["logprobs", label, *opts["logprobs"]]))
                 continue
             if t_end - time.time() < 20:
                 return
@@ -1090,17 +1301,18 @@ def serve_log(label: str) -> str:
     return open(path, errors="replace").read() if os.path.exists(path) else ""
 
 
-def boot_fallback(boot_args: list[str], log_text: str) -> tuple[list[str], str] | None:
+def boot_fallback(boot_args: list[str], log_text: str,
+                  allowed: tuple[str, ...] = ("headroom", "max-capture")) -> tuple[list[str], str] | None:
     """The arguments of a second boot after a failed one, and what they leave out; None: no second boot.
 
-    A boot stopped by the overlay's memory-headroom patch (its measuring forward failed, or it left no
-    KV block) boots again with VLLM_OVERLAY_MEMORY_HEADROOM=0, so that the other measurements still
-    happen (that failure is a finding, kept in the failed boot's log). Any other failed boot with
-    --max-capture (the one setting these runs add to the earlier TurboQuant + MTP boots) boots again
-    with vLLM's own capture sizes."""
-    if HEADROOM_FAILED in log_text and "HeadroomError" in log_text:
+    "headroom": a boot stopped by the overlay's memory-headroom patch (its measuring forward failed, or
+    it left no KV block) boots again with VLLM_OVERLAY_MEMORY_HEADROOM=0, so that the other measurements
+    still happen (that failure is a finding, kept in the failed boot's log). "max-capture": any other
+    failed boot with --max-capture (the one setting issue 14's runs add to the earlier TurboQuant + MTP
+    boots) boots again with vLLM's own capture sizes. A series allows either or both."""
+    if "headroom" in allowed and HEADROOM_FAILED in log_text and "HeadroomError" in log_text:
         return [*boot_args, "--overlay-env", "VLLM_OVERLAY_MEMORY_HEADROOM=0"], "with memory-headroom"
-    if "--max-capture" in boot_args:
+    if "max-capture" in allowed and "--max-capture" in boot_args:
         i = boot_args.index("--max-capture")
         return boot_args[:i] + boot_args[i + 2:], "with --max-capture"
     return None
@@ -1125,21 +1337,48 @@ def series_status(labels: list[str]) -> tuple[list[str], bool]:
             lines.append(f"{label}: " + (f"FAILED: {REFUSED[label]}" if label in REFUSED else "not started"))
             more |= label not in REFUSED
             continue
-        steps = result_files(label).get("steps.json") or {}
-        points = ", ".join(f"{k} {v['step_ms']['median'] if v.get('step_ms') else None} ms"
-                           + ("" if v.get("complete") else " (incomplete)") for k, v in steps.get("points", {}).items())
         phase = ("FAILED: " + mark["failed"] if mark.get("failed") else "done" if mark.get("done")
                  else "running" if alive(st["pid"]) else "not running")
         more |= not (mark.get("failed") or mark.get("done"))
-        lines.append(f"{label}: {phase}; healthy after {st.get('healthy_after_s')} s; steps: {points or '-'}; "
-                     f"skipped {steps.get('skipped') or '-'}; logprobs rc {mark.get('logprobs_rc', '-')}")
+        parts = [phase + (f", {mark['expected']}" if mark.get("expected") else ""),
+                 f"healthy after {st.get('healthy_after_s')} s"]
+        if "runner" in mark:
+            parts.append(f"runner {'/'.join(mark['runner']) or 'unknown'}")
+        steps = result_files(label).get("steps.json")
+        if steps:
+            points = ", ".join(f"{k} {v['step_ms']['median'] if v.get('step_ms') else None} ms"
+                               + ("" if v.get("complete") else " (incomplete)")
+                               for k, v in steps.get("points", {}).items())
+            parts.append(f"steps: {points or '-'}; skipped {steps.get('skipped') or '-'}")
+        elif "steps_rc" in mark:
+            parts.append("steps: -")
+        if "stress_rc" in mark or "guard_stress_rc" in mark:
+            sv = stress_verdict(label)
+            parts.append(f"stress {sv.get('verdict')}: {sv.get('band_forwards')} band forwards, requests ok / failed "
+                         f"{sv.get('requests_ok')} / {sv.get('requests_failed')}, guard trips {sv.get('guard_trips')}")
+        parts.append(f"logprobs rc {mark.get('logprobs_rc', '-')}")
+        lines.append(f"{label}: " + "; ".join(parts))
     return lines, more
+
+
+def series_compare(spec: dict[str, Any], labels: list[str]) -> None:
+    """The series' logprob comparisons whose two runs are on this machine (merge records them)."""
+    for x, y, lp in spec.get("compare", ()):
+        paths = [os.path.join(sdir(v), f"{lp}.json") for v in (x, y)]
+        if x not in labels or y not in labels or not all(os.path.exists(p) for p in paths):
+            continue
+        try:
+            c = sm.compare_logprobs(json.load(open(paths[0])), json.load(open(paths[1])))
+            say(f"series: logprobs {x} vs {y} ({lp}): {sm.describe_comparison(c)}")
+        except (ValueError, KeyError) as exc:
+            say(f"series: logprobs {x} vs {y} ({lp}): not comparable: {exc}")
 
 
 def cmd_series(a: argparse.Namespace) -> int:
     spec = SERIES[a.name]
     t_end = time.time() + a.deadline
-    known = [label for label, _ in spec["items"]]
+    items = series_items(spec)
+    known = [label for label, _, _ in items]
     labels = [x.strip() for x in a.labels.split(",") if x.strip()] if a.labels else known
     unknown = [x for x in labels if x not in known]
     if unknown or not labels:
@@ -1147,18 +1386,39 @@ def cmd_series(a: argparse.Namespace) -> int:
     gpus = [g.strip() for g in a.gpus.split(",")] if a.gpus else [None]
     for g in gpus:
         check_gpu(g)
-    queues: list[list[tuple[str, list[str]]]] = [[] for _ in gpus]
+    expect = spec.get("expect_runner") if a.expect_runner is None else (a.expect_runner or None)
+    if expect not in (None, "V1", "V2"):
+        sys.exit(f"stack: series {a.name} --expect-runner {a.expect_runner!r}: expected V1, V2 or '' (no check)")
+    queues: list[list[tuple[str, list[str], tuple[str, ...]]]] = [[] for _ in gpus]
+    by_label = {label: (boot, phases) for label, boot, phases in items}
     for i, label in enumerate(labels):
-        boot = dict(spec["items"])[label]
+        boot, phases = by_label[label]
         port = str(a.base_port + known.index(label))
         args = [*shlex.split(spec["boot"]), *shlex.split(boot), "--port", port, *shlex.split(a.boot_extra)]
-        queues[i % len(gpus)].append((label, args))
-    steps_args = shlex.split(a.steps if a.steps is not None else spec["steps"])
-    lp_args = None if a.no_logprobs else shlex.split(a.logprobs if a.logprobs is not None else spec["logprobs"])
-    say(f"series {a.name}: {len(labels)} labels on GPU(s) {a.gpus or 'as visible'} until {a.deadline:.0f} s from now: "
-        + "; ".join(f"GPU {g}: {', '.join(x for x, _ in q)}" for g, q in zip(gpus, queues)))
-    threads = [threading.Thread(target=run_series_queue, args=(a.name, q, g, t_end, steps_args, lp_args),
-                                name=f"series-gpu{g}") for g, q in zip(gpus, queues)]
+        queues[i % len(gpus)].append((label, args, phases))
+
+    def args_of(key: str, given: str | None) -> list[str] | None:
+        text = given if given is not None else spec.get(key)
+        return None if text is None else shlex.split(text)
+
+    opts: dict[str, Any] = {
+        "steps": args_of("steps", a.steps), "stress": args_of("stress", a.stress),
+        "guard_stress": args_of("guard_stress", a.guard_stress),
+        "logprobs": None if a.no_logprobs else args_of("logprobs", a.logprobs),
+        "fallbacks": tuple(spec.get("fallbacks", ("headroom", "max-capture"))), "expect_runner": expect}
+    for key in ("stress", "guard_stress"):  # how long a stress may take decides whether it starts in this call
+        opts[f"{key}_s"] = build_parser().parse_args(["stress", "x", *(opts[key] or [])]).duration
+    wanted = {p for label in labels for p in by_label[label][1]}
+    lacking = sorted(p for p in wanted if p in ("steps", "stress") and opts[p] is None)
+    if "guard" in wanted and opts["guard_stress"] is None:
+        lacking.append("guard_stress")
+    if lacking:
+        sys.exit(f"stack: series {a.name}: its labels run {lacking} but the series gives no arguments for them")
+    say(f"series {a.name}: {len(labels)} labels on GPU(s) {a.gpus or 'as visible'} until {a.deadline:.0f} s from now"
+        + (f", {expect} model runner expected" if expect else "") + ": "
+        + "; ".join(f"GPU {g}: {', '.join(x for x, _, _ in q)}" for g, q in zip(gpus, queues)))
+    threads = [threading.Thread(target=run_series_queue, args=(a.name, q, g, t_end, opts), name=f"series-gpu{g}")
+               for g, q in zip(gpus, queues)]
     for t in threads:
         t.start()
     for t in threads:
@@ -1166,12 +1426,16 @@ def cmd_series(a: argparse.Namespace) -> int:
     lines, more = series_status(labels)
     for line in lines:
         say(f"series {a.name}: {line}")
+    series_compare(spec, labels)
     if REFUSED:
         say(f"series {a.name}: FAILED: {sorted(REFUSED)}: a boot refused its arguments; fix them, do not call again")
         return 2
+    if ABORTED:
+        say(f"series {a.name}: FAILED: {'; '.join(f'{k}: {v}' for k, v in ABORTED.items())}: the series stops "
+            "here; do not call again")
+        return 2
     say(f"series {a.name}: " + ("NOT DONE: run the same command again in the next call" if more else "all done"))
     return 10 if more else 0
-
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1199,6 +1463,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-num-seqs", type=int, default=None, help="--max-num-seqs (default: vLLM's)")
     b.add_argument("--overlay-env", default=None, metavar='"NAME=VALUE ..."',
                    help="overlay settings for this server, added to STACK_OVERLAY_ENV's")
+    b.add_argument("--env", default=None, metavar='"NAME=VALUE ..."',
+                   help="other variables for this server (the caller's pass through too), e.g. "
+                        "VLLM_USE_V2_MODEL_RUNNER=1")
     b.add_argument("--max-capture", type=int, default=None,
                    help="--max-cudagraph-capture-size (default: vLLM's; fewer graphs to capture at boot)")
     b.add_argument("--additional-config", default='{"gdn_prefill_backend":"triton"}',
@@ -1256,6 +1523,12 @@ def build_parser() -> argparse.ArgumentParser:
     se.add_argument("--boot-extra", default="", help="more `boot` options for every label (one string)")
     se.add_argument("--steps", default=None, help="`steps` options instead of the series' own (one string)")
     se.add_argument("--logprobs", default=None, help="`logprobs` options instead of the series' own (one string)")
+    se.add_argument("--stress", default=None, help="`stress` options instead of the series' own (one string)")
+    se.add_argument("--guard-stress", default=None,
+                    help="`stress` options for a label expected to stop with CapacityError, should it serve")
+    se.add_argument("--expect-runner", default=None,
+                    help="the model runner every worker must build (V1, V2; '' checks nothing; default: the "
+                         "series' own)")
     se.add_argument("--no-logprobs", action="store_true")
     c = sub.add_parser("compare", help="two logprob runs (PATH.json, DIR/NAME.json or BUNDLE.json#NAME)")
     c.add_argument("a")

@@ -489,3 +489,291 @@ def test_steps_control_flow(tmp_path, monkeypatch) -> None:  # type: ignore[no-u
     asked.clear()
     assert stack.main([*argv[:5], "100,200", *argv[6:], "--budget-s", "0"]) == 3
     assert asked == [] and "2x200" not in json.load(open(tmp_path / "state" / "x" / "steps.json"))["points"]
+
+
+# ---- issue 13: the series on Model Runner V2 (bench/v2_plan.md) --------------------------------------
+
+
+def test_server_env_passes_the_callers_variables_and_drops_its_overlay_settings(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The caller's VLLM_USE_V2_MODEL_RUNNER reaches the server; its overlay settings do not (a
+    configuration is what its name says); --env sets variables for one server and refuses overlay names."""
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    monkeypatch.setenv("VLLM_OVERLAY_STRICT", "1")
+    monkeypatch.setenv("GENESIS_PREALLOC_TOKEN_BUDGET", "99")
+    env = stack.server_env("overlay", None, None, None, "/r")
+    assert env["VLLM_USE_V2_MODEL_RUNNER"] == "1" and env["GENESIS_PROFILE_RUN_CAP_M"] == "4096"
+    assert "VLLM_OVERLAY_STRICT" not in env and "GENESIS_PREALLOC_TOKEN_BUDGET" not in env
+    assert env["VLLM_OVERLAY_REPORT_DIR"] == "/r" and "CUDA_VISIBLE_DEVICES" not in env
+    env = stack.server_env("forced-guard", "VLLM_OVERLAY_MEMORY_HEADROOM=1", "VLLM_USE_V2_MODEL_RUNNER=0 X_Y=a", "1", "/r")
+    assert (env["VLLM_USE_V2_MODEL_RUNNER"], env["X_Y"], env["VLLM_OVERLAY_MEMORY_HEADROOM"]) == ("0", "a", "1")
+    assert env["VLLM_OVERLAY_TEST_BUFFER_ROWS"] == "4096" and env["CUDA_VISIBLE_DEVICES"] == "1"
+    assert stack.vllm_env_of(env) == {"VLLM_ALLREDUCE_USE_SYMM_MEM": "0", "VLLM_USE_V2_MODEL_RUNNER": "0"}
+    with pytest.raises(SystemExit, match=r"--env item 'VLLM_OVERLAY_STRICT=1': expected NAME=VALUE with a "
+                                         r"variable name that is not an overlay setting"):
+        stack.server_env("overlay", None, "VLLM_OVERLAY_STRICT=1", None, "/r")
+    with pytest.raises(SystemExit, match=r"--env item 'VLLM_USE_V2_MODEL_RUNNER'"):
+        stack.server_env("overlay", None, "VLLM_USE_V2_MODEL_RUNNER", None, "/r")
+    with pytest.raises(SystemExit, match=r"--overlay-env item 'VLLM_USE_V2_MODEL_RUNNER=1': expected NAME=VALUE "
+                                         r"with a VLLM_OVERLAY_\* or GENESIS_\* name"):
+        stack.server_env("overlay", "VLLM_USE_V2_MODEL_RUNNER=1", None, None, "/r")
+
+
+def test_the_issue13_series_is_what_the_plan_says() -> None:
+    spec = stack.SERIES["issue13"]
+    items = stack.series_items(spec)
+    assert [(x, p) for x, _, p in items] == [("v2-overlay", ("stress", "logprobs")), ("v2-forced-guard", ("guard",)),
+                                             ("v2-stock", ("logprobs",))]
+    for label, boot, _ in items:
+        b = parse(["boot", label, *shlex.split(spec["boot"]), *shlex.split(boot)])
+        assert (b.kv, b.mtp, b.mnbt, b.max_capture, b.env, b.model) == (
+            "auto", 0, 8192, 128, "VLLM_USE_V2_MODEL_RUNNER=1", "qwen36-35b-a3b-geometry")
+        assert b.config == {"v2-overlay": "overlay", "v2-forced-guard": "forced-guard", "v2-stock": "stock"}[label]
+        # the `vllm serve` arguments (parsed by vLLM 0.26.0's own parser in bench/gpu/serve_config_check.py)
+        assert stack.serve_args(b) == [
+            "--host", "127.0.0.1", "--load-format", "dummy", "--skip-tokenizer-init", "--additional-config",
+            '{"gdn_prefill_backend":"triton"}', "--max-num-batched-tokens", "8192", "--max-model-len", "262144",
+            "--gpu-memory-utilization", "0.82", "--port", "8011", "--seed", "0", "--max-cudagraph-capture-size", "128"]
+    s = parse(["stress", "x", *shlex.split(spec["stress"])])
+    assert (s.min_band, s.duration) == (500, 240)
+    assert parse(["logprobs", "x", *shlex.split(spec["logprobs"])]).out == "lp"
+    assert spec["expect_runner"] == "V2" and spec["compare"] == (("v2-overlay", "v2-stock", "lp"),)
+    # issue 14's items keep their default (steps, logprobs)
+    assert {p for _, _, p in stack.series_items(stack.SERIES["issue14"])} == {("steps", "logprobs")}
+    # a failed boot of issue 13 boots again only when memory-headroom stopped it (not for --max-capture)
+    args = ["--config", "overlay", "--max-capture", "128"]
+    assert stack.boot_fallback(args, "RuntimeError: CUDA error", ("headroom",)) is None
+    assert stack.boot_fallback(args, "vllm-overlay memory-headroom: x HeadroomError", ("headroom",))[1] == \
+        "with memory-headroom"
+
+
+def test_logprob_pairs_compare_overlay_with_stock_on_the_same_runner() -> None:
+    base = {str(i): -1.0 - 0.1 * i for i in range(21)}
+    lp = lp_run([[base, base]], [[0, 0]])
+    lp2 = lp_run([[{k: v + 2e-3 for k, v in base.items()}, base]], [[0, 0]])
+
+    def run(config: str, v2: str | None, data: dict) -> dict:  # type: ignore[type-arg]
+        return {"config": config, "vllm_args": {"kv_cache_dtype": "auto", "mtp": 0},
+                "vllm_env": {} if v2 is None else {"VLLM_USE_V2_MODEL_RUNNER": v2}, "logprobs": {"lp": data}}
+
+    pairs = stack.logprob_pairs({"v2-stock": run("stock", "1", lp2), "v2-overlay": run("overlay", "1", lp),
+                                 "v1-stock": run("stock", None, lp2)})
+    assert list(pairs) == ["v2-overlay vs v2-stock (lp)"]  # the overlay first; V1 stock is not paired with V2
+    c = pairs["v2-overlay vs v2-stock (lp)"]
+    assert c["what"] == "overlay vs stock" and c["first_token"]["max_abs_diff"] == pytest.approx(2e-3)
+    # two overlay configurations are not compared, nor stock with another KV dtype
+    other = run("legacy", "1", lp)
+    assert stack.logprob_pairs({"a": run("overlay", "1", lp), "b": other}) == {}
+    tq = run("overlay", "1", lp)
+    tq["vllm_args"]["kv_cache_dtype"] = "turboquant_k8v4"
+    assert stack.logprob_pairs({"a": tq, "b": run("stock", "1", lp)}) == {}
+
+
+def v2_worker_report(pid: int, kind: str = "V2", trips: int = 0) -> dict:  # type: ignore[type-arg]
+    """A worker's overlay report as the runner patches write it (fields as in src/vllm_overlay/report.py)."""
+    cls = ("vllm.v1.worker.gpu.model_runner.GPUModelRunner" if kind == "V2"
+           else "vllm.v1.worker.cpu_model_runner.CPUModelRunner")
+    hooks = {"forward-telemetry": ["__init__", "_dummy_run", "execute_model"],
+             "gdn-output-prealloc": ["_dummy_run", "capture_model", "prepare_inputs"],
+             "profile-run-cap": ["_dummy_run", "capture_model"]}
+    return {"pid": pid, "role": "engine core + worker rank 0", "tp_rank": 0, "vllm_version": "0.26.0",
+            "runner": {"kind": kind, "class": cls}, "engine_config": {"max_num_batched_tokens": 8192},
+            "patches": {p: {"status": "applied", "runner": {"kind": kind, "class": cls, "hooks": h, "fired": h,
+                                                            "missing": []}} for p, h in hooks.items()},
+            "counters": {"guard_checks": 812, "guard_trips": trips},
+            "events": ["profile-run-cap: profiling forward capped from 8192 to 4096 tokens (x)",
+                       "profile-run-cap: one un-profiled dummy forward of 8192 tokens before CUDA graph capture, y",
+                       "something else"],
+            "telemetry": {"forwards": {"count": 3120, "sizes": {"7166": 700}}, "dummy_forwards": {"count": 9},
+                          "profile_forward_tokens": 4096}}
+
+
+def test_runner_evidence_reads_the_workers_reports(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    os.makedirs(tmp_path / "reports")
+    (tmp_path / "reports" / "overlay-1.json").write_text(json.dumps(
+        {"pid": 1, "role": "api server", "runner": None, "patches": {}, "counters": {}}))
+    (tmp_path / "reports" / "overlay-2.json").write_text(json.dumps(v2_worker_report(2)))
+    ev = stack.runner_evidence(str(tmp_path), "INFO Using V2 Model Runner\n")
+    assert ev["built"] == ["V2"] and ev["built_from"] == "overlay reports" and len(ev["workers"]) == 1
+    assert ev["telemetry_fired"] and ev["guard_fired"] and ev["cap_fired"] and ev["precapture_forward"]
+    assert (ev["guard_checks"], ev["guard_trips"], ev["forwards"], ev["hooks_missing"]) == (812, 0, 3120, {})
+    assert ev["workers"][0]["events"][1].startswith("profile-run-cap: one un-profiled dummy forward")
+    assert not ev["capacity_error"]
+    # a stock server writes no report: vLLM's own line names V2, or nothing does
+    empty = tmp_path / "stock"
+    os.makedirs(empty)
+    assert stack.runner_evidence(str(empty), "x Using V2 Model Runner\n")["built"] == ["V2"]
+    assert stack.runner_evidence(str(empty), "INFO nothing\n")["built"] == []
+    assert stack.runner_evidence(str(empty), "CapacityError: vllm-overlay: a dummy forward")["capacity_error"]
+
+
+def test_series_stops_when_a_worker_built_another_runner(tmp_path, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    """Model Runner V2 cannot run on the CPU build, so a sleeping process stands in for a served
+    server whose worker report names the V1 runner: the series marks the label FAILED, ends the
+    process and stops (exit 2), since every later label would build the same runner."""
+    monkeypatch.setattr(stack, "STATE", str(tmp_path / "state"))
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    monkeypatch.setattr(stack, "REFUSED", {})
+    monkeypatch.setattr(stack, "ABORTED", {})
+    server = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    try:
+        d = tmp_path / "state" / "v2-overlay"
+        os.makedirs(d / "reports")
+        (d / "serve.log").write_text("INFO started\n")
+        (d / "reports" / "overlay-5.json").write_text(json.dumps(v2_worker_report(5, kind="V1")))
+        stack.save_state("v2-overlay", {"label": "v2-overlay", "pid": server.pid, "port": 1, "config": "overlay",
+                                        "started": 0, "healthy_after_s": 1.0, "vllm_args": {}})
+        rc = stack.main(["series", "issue13", "--labels", "v2-overlay,v2-stock", "--deadline", "60"])
+        text = capsys.readouterr().out
+        assert rc == 2, text
+        assert "v2-overlay: FAILED: its workers built the V1 model runner, V2 expected" in text
+        assert "v2-stock: not started" in text and "do not call again" in text
+        assert server.wait(timeout=30) is not None  # `stop` ended it
+        mark = stack.load_state("v2-overlay")["series"]
+        assert mark["runner"] == ["V1"] and mark["runner_from"] == "overlay reports"
+    finally:
+        if server.poll() is None:
+            server.kill()
+    # --expect-runner '' checks nothing; a value outside V1/V2 is refused
+    with pytest.raises(SystemExit, match=r"--expect-runner 'V3': expected V1, V2 or ''"):
+        stack.main(["series", "issue13", "--deadline", "1", "--expect-runner", "V3"])
+
+
+CPU_BOOT = ("--model tiny --max-model-len 8192 --mem 0.3 --additional-config '' "
+            "--extra '--max-num-seqs 32 --enforce-eager --no-enable-prefix-caching'")
+
+
+def stop_all(env: dict[str, str], labels: tuple[str, ...], state: str) -> None:
+    for label in labels:  # no server outlives a test
+        if os.path.exists(os.path.join(state, label, "state.json")):
+            subprocess.run([sys.executable, os.path.join(BENCH, "stack.py"), "stop", label, "--compact"],
+                           env=env, capture_output=True, timeout=120)
+
+
+@pytest.mark.engine
+def test_issue13_series_on_a_real_cpu_server(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`series issue13` through `vllm serve` of the tiny hybrid on the CPU build, which cannot build
+    Model Runner V2 ("Model Runner V2 requires Triton"): the V1 runner, asked for with --env and
+    --expect-runner V1, mnbt 8192, eager, a short stress. The overlay passes its stress and serves
+    logprobs; the forced 4096-row buffer serves (no CUDA graph capture, so no full-size forward at boot)
+    and stops with CapacityError under band traffic, as expected; stock serves logprobs; the series
+    prints overlay vs stock, and merge and the BENCHMARKS table carry the runner evidence. A first
+    invocation has too little time left for the stress (60 s + 90 s) and says NOT DONE without
+    starting it; the same command then does the rest, as the next device call would."""
+    state, out = str(tmp_path / "state"), str(tmp_path / "out")
+    env = clean_env(STACK_STATE_DIR=state, OUT=out, PYTHONPATH=os.path.join(ROOT, "src"))
+    cmd = [sys.executable, os.path.join(BENCH, "stack.py"), "series", "issue13", "--compact", "--expect-runner", "V1",
+           "--base-port", str(free_port_block(4)), "--boot-extra", f"--env VLLM_USE_V2_MODEL_RUNNER=0 {CPU_BOOT}",
+           "--stress", "--min-band 3 --duration 60", "--guard-stress", "--min-band 3 --duration 30",
+           "--logprobs", "--prompts 3 --lengths 16,600,5000 --out lp"]
+    try:
+        first = subprocess.run([*cmd, "--deadline", "100"], env=env, capture_output=True, text=True, timeout=300)
+        assert first.returncode == 10 and "NOT DONE: run the same command again" in first.stdout, first.stdout[-3000:]
+        assert "stress for at most" not in first.stdout
+        p = subprocess.run([*cmd, "--deadline", "800"], env=env, capture_output=True, text=True, timeout=1000)
+    finally:
+        stop_all(env, ("v2-overlay", "v2-forced-guard", "v2-stock"), state)
+    log = p.stdout[-8000:] + p.stderr[-3000:]
+    assert p.returncode == 0 and "series issue13: all done" in p.stdout, log
+    assert "v2-overlay: done; healthy after" in p.stdout and "stress PASSED" in p.stdout, log
+    assert ("v2-forced-guard: done, stopped under band traffic with the overlay's CapacityError (as expected)"
+            in p.stdout), log
+    assert re.search(r"logprobs v2-overlay vs v2-stock \(lp\): first token, 3 prompts: top-1 equal 3/3", p.stdout), log
+    assert sorted(os.listdir(out)) == ["v2-forced-guard.json", "v2-overlay.json", "v2-stock.json"]
+    overlay = json.load(open(os.path.join(out, "v2-overlay.json")))["summary"]
+    assert overlay["vllm_env"]["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    ev = overlay["runner_evidence"]
+    assert ev["built"] == ["V1"] and ev["telemetry_fired"] and ev["guard_fired"] and ev["hooks_missing"] == {}
+    assert ev["forwards"] > 0 and ev["guard_trips"] == 0 and overlay["stress"]["requests_failed"] == 0
+    guard = json.load(open(os.path.join(out, "v2-forced-guard.json")))["summary"]
+    assert guard["runner_evidence"]["capacity_error"] and guard["runner_evidence"]["guard_trips"] == 1
+    assert guard["series"]["expected"].startswith("stopped under band traffic")
+    result = tmp_path / "merged.json"
+    assert stack.main(["merge", str(result), *(f"{x}={out}/{x}.json" for x in ("v2-overlay", "v2-forced-guard",
+                                                                               "v2-stock")),
+                       "--note", "CPU test"]) == 0
+    res = json.load(open(result))
+    c = res["logprobs_compare"]["v2-overlay vs v2-stock (lp)"]
+    assert c["what"] == "overlay vs stock" and c["first_token"]["top1_equal"] == 3 and c["same_tokens"] == 3
+    page = "\n".join(make_table.stack_section([str(result)]))
+    assert "| v2-forced-guard | stopped under band traffic with the overlay's CapacityError (as expected)" in page
+    assert "- `v2-overlay`: V1 (overlay reports, VLLM_USE_V2_MODEL_RUNNER=0); worker pid" in page
+    assert "Logprobs, overlay vs stock `v2-overlay vs v2-stock (lp)`" in page
+
+
+@pytest.mark.engine
+def test_issue13_series_edges_on_cpu(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The caller's VLLM_USE_V2_MODEL_RUNNER reaches the server (the CPU build refuses V2 at config time:
+    "Model Runner V2 requires Triton", which is how this shows it), as does the series' own --env, and
+    a failed boot of issue 13 is not booted again without --max-capture. Then the forced buffer with
+    memory-headroom on: its forward of max_num_batched_tokens stops the boot with CapacityError, which
+    the series records as the expected outcome."""
+    state, out = str(tmp_path / "state"), str(tmp_path / "out")
+    env = clean_env(STACK_STATE_DIR=state, OUT=out, PYTHONPATH=os.path.join(ROOT, "src"))
+    stack_py = os.path.join(BENCH, "stack.py")
+    port = free_port_block(4)
+    try:
+        p = subprocess.run([sys.executable, stack_py, "boot", "passthrough", "--compact", "--kv", "auto", "--mtp", "0",
+                            "--port", str(port + 3), *shlex.split(CPU_BOOT), "--wait", "200"],
+                           env={**env, "VLLM_USE_V2_MODEL_RUNNER": "1"}, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 1, p.stdout[-3000:]
+        b = json.load(open(os.path.join(out, "passthrough.json")))
+        assert "Model Runner V2 requires Triton" in b["logs"]["serve.log"]
+        assert b["summary"]["vllm_env"]["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+        series = [sys.executable, stack_py, "series", "issue13", "--compact", "--base-port", str(port)]
+        p = subprocess.run([*series, "--labels", "v2-overlay", "--boot-extra", CPU_BOOT, "--deadline", "200"],
+                           env=env, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0 and "v2-overlay: FAILED: boot failed" in p.stdout, p.stdout[-4000:]
+        assert "booting again" not in p.stdout
+        b = json.load(open(os.path.join(out, "v2-overlay.json")))
+        assert "Model Runner V2 requires Triton" in b["logs"]["serve.log"]
+        p = subprocess.run([*series, "--labels", "v2-forced-guard", "--expect-runner", "V1", "--boot-extra",
+                            f"--env VLLM_USE_V2_MODEL_RUNNER=0 --overlay-env VLLM_OVERLAY_MEMORY_HEADROOM=1 {CPU_BOOT}",
+                            "--deadline", "300"], env=env, capture_output=True, text=True, timeout=400)
+    finally:
+        stop_all(env, ("passthrough", "v2-overlay", "v2-forced-guard"), state)
+    assert p.returncode == 0, p.stdout[-4000:]
+    assert ("v2-forced-guard: done, stopped at boot with the overlay's CapacityError (as expected)"
+            in p.stdout), p.stdout[-4000:]
+    ev = json.load(open(os.path.join(out, "v2-forced-guard.json")))["summary"]["runner_evidence"]
+    assert ev["built"] == ["V1"] and ev["guard_trips"] == 1 and ev["capacity_error"]
+
+
+V2_PLAN = os.path.join(BENCH, "v2_plan.md")
+
+
+def test_the_v2_plan_runs_as_written() -> None:
+    """bench/v2_plan.md: every device command fits a call (2,000 characters, one line) and each
+    `stack.py` in it parses as `series issue13 --compact`; the staging calls carry every part of
+    .gpu/0.26.0 (MANIFEST first); the merge names the series' labels."""
+    text = open(V2_PLAN).read()
+    blocks = re.findall(r"```\n(.*?)\n```", text, re.S)
+    device = [b for b in blocks if "series issue13" in b]
+    assert len(device) == 3
+    for cmd in device:
+        assert len(cmd) <= 2000 and "\n" not in cmd
+        found = re.findall(r"python3 bench/stack.py ([^;&|>]*)", re.sub(r"\$\(\([^)]*\)\)", "500", cmd))
+        assert found
+        for rest in found:
+            a = parse(shlex.split(rest))
+            assert a.step == "series" and a.name == "issue13" and a.compact and a.deadline in (570, 500)
+            known = {x for x, _, _ in stack.series_items(stack.SERIES["issue13"])}
+            assert set(filter(None, a.labels.split(","))) <= known
+    assert "bash bench/gpu/device_install.sh 0.26.0" in device[0] and os.path.isfile(
+        os.path.join(BENCH, "gpu", "device_install.sh"))
+    rows = [ln for ln in text.splitlines() if re.match(r"\| [1-5] \|", ln)]
+    assert len(rows) == 5 and "`.gpu/0.26.0/MANIFEST`" in rows[0]
+    carried = re.findall(r"`(\.gpu/0\.26\.0/[^`]+)`", "\n".join(rows))
+    assert sorted(carried) == sorted([f".gpu/0.26.0/part0{i}" for i in range(5)]
+                                     + [".gpu/0.26.0/MANIFEST", ".gpu/0.26.0/zstandard.whl"])
+    merge = next(b for b in blocks if "merge" in b).splitlines()[0]
+    m = parse(shlex.split(merge)[2:])
+    assert m.step == "merge" and m.result == "bench/results/stack-issue13-v2-h200.json"
+    assert [r.split("=")[0] for r in m.runs] == [x for x, _, _ in stack.series_items(stack.SERIES["issue13"])]
+
+
+def test_serve_config_check_starts() -> None:
+    """bench/gpu/serve_config_check.py needs a staged vLLM (bench/v2_plan.md says where it ran); here
+    only that it loads and knows the series."""
+    p = subprocess.run([sys.executable, os.path.join(BENCH, "gpu", "serve_config_check.py"), "--help"],
+                       capture_output=True, text=True, timeout=60, check=False)
+    assert p.returncode == 0 and "issue13" in p.stdout, p.stderr

@@ -1,0 +1,127 @@
+"""The engine configuration each boot of a bench/stack.py series would build on the H200, checked on
+a CPU machine against a staged vLLM: the `vllm serve` arguments stack.py gives the label
+(stack.serve_args), parsed by that vLLM's own `vllm serve` parser, in the label's server environment
+(stack.server_env: its configuration's overlay settings and its --env variables, such as
+VLLM_USE_V2_MODEL_RUNNER=1), then vLLM's engine config built from them after vLLM's plugins (the
+overlay) loaded, as in the API server. One process per label.
+
+  LD_LIBRARY_PATH=STUB_DIR PYTHONPATH=SCRATCH/site python bench/gpu/serve_config_check.py \
+      [--series issue13] [--labels v2-overlay,...]
+
+(the environment of bench/gpu/README.md's CPU rehearsal: a Python 3.12 like the H200 image's, vLLM
+0.26.0 and its wheels unpacked by device_install.sh with DEVICE_TMP set). What cannot run on CPU is
+stood in for as in import_check.py, and only that: the CUDA driver (STUB_DIR's libcuda.so.1), the
+GPU (vLLM's platform set to its CUDA class reporting an H200), Triton's driver (taken as present for
+the engine config, where Model Runner V2 would otherwise be refused).
+
+Prints per label: whether the engine config builds, use_v2_model_runner, the model's architecture
+and hybrid flag, compilation mode, CUDA graph mode and capture sizes, max_num_batched_tokens,
+max_num_seqs, prefix caching, KV cache dtype, the GDN prefill backend, and the overlay's patch
+statuses in that process. Exit 1 when a label's config does not build or builds another model runner
+than the series expects.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import traceback
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BENCH = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+sys.path.insert(0, BENCH)
+import stack  # noqa: E402 - bench/stack.py
+
+
+def child(model: str, args: list[str]) -> dict[str, Any]:
+    import import_check
+
+    import_check.fake_h200()
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()  # the overlay, as in the API server
+    import vllm.config.vllm as config_vllm
+
+    config_vllm.HAS_TRITON = True  # Triton has no driver on CPU; on the H200 it has one
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    ns = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", model, *args])
+    validate_parsed_serve_args(ns)
+    cfg = AsyncEngineArgs.from_cli_args(ns).create_engine_config()
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import _resolve_gdn_prefill_backend
+
+    cc = cfg.compilation_config
+    out = {"use_v2_model_runner": cfg.use_v2_model_runner, "architectures": cfg.model_config.architectures,
+           "is_hybrid": cfg.model_config.is_hybrid, "compilation_mode": str(cc.mode),
+           "cudagraph_mode": str(cc.cudagraph_mode), "cudagraph_capture_sizes": cc.cudagraph_capture_sizes,
+           "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
+           "max_num_seqs": cfg.scheduler_config.max_num_seqs, "max_model_len": cfg.model_config.max_model_len,
+           "enable_prefix_caching": cfg.cache_config.enable_prefix_caching,
+           "kv_cache_dtype": cfg.cache_config.cache_dtype,
+           "gdn_prefill_backend": list(_resolve_gdn_prefill_backend(cfg)),
+           "VLLM_USE_V2_MODEL_RUNNER": os.environ.get("VLLM_USE_V2_MODEL_RUNNER")}
+    try:
+        import vllm_overlay
+
+        path = vllm_overlay.flush()
+        rep = json.load(open(path)) if path else {}
+        out["overlay"] = {k: v.get("status") for k, v in sorted(rep.get("patches", {}).items())}
+    except ImportError:
+        out["overlay"] = None
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--series", default="issue13", choices=tuple(stack.SERIES))
+    ap.add_argument("--labels", default="", help="labels of the series (default: all)")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    spec = stack.SERIES[a.series]
+    items = stack.series_items(spec)
+    if a.child:
+        model, args = json.loads(a.child)
+        try:
+            res = {"ok": True, **child(model, args)}
+        except BaseException as exc:  # noqa: BLE001 - the error is the result
+            res = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:1500],
+                   "traceback": traceback.format_exc(limit=-6)[-3000:]}
+        print("RESULT " + json.dumps(res), flush=True)
+        return 0
+    labels = [x for x in a.labels.split(",") if x] or [x for x, _, _ in items]
+    expect = spec.get("expect_runner")
+    bad = 0
+    for label, boot, _ in items:
+        if label not in labels:
+            continue
+        b = stack.build_parser().parse_args(["boot", label, *shlex.split(spec["boot"]), *shlex.split(boot)])
+        model = stack.model_folder(b.model, b.mtp, b.spec_method)
+        args = stack.serve_args(b)
+        with tempfile.TemporaryDirectory() as reports:
+            env = stack.server_env(b.config, b.overlay_env, b.env, None, reports)
+            p = subprocess.run([sys.executable, os.path.abspath(__file__), "--series", a.series,
+                                "--child", json.dumps([model, args])], env=env, capture_output=True, text=True,
+                               timeout=600)
+        line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
+        res = json.loads(line[7:]) if line else {"ok": False, "error": f"exit {p.returncode}: {p.stderr[-1500:]}"}
+        runner = "V2" if res.get("use_v2_model_runner") else "V1"
+        good = res.get("ok") and (expect is None or runner == expect)
+        bad += not good
+        print(f"{label}: {'ok' if good else 'FAILED'}: vllm serve {model} {' '.join(args)}")
+        print("  " + json.dumps({k: v for k, v in res.items() if k != "traceback"}))
+        if not res.get("ok"):
+            print(res.get("traceback", ""))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

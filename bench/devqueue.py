@@ -285,6 +285,19 @@ def log_tail(path: str, n: int) -> list[str]:
         return []
 
 
+def job_tail(q: dict[str, Any], jid: str, n: int) -> list[str]:
+    """The end of a job's own log, then of the newest other *.log in its folder (a child process's log,
+    e.g. bench.py's boot and workloads, which the job's own log shows only at its end)."""
+    jdir = os.path.join(qdir(q), jid)
+    lines = log_tail(os.path.join(jdir, "job.log"), n)
+    others = [p for p in glob.glob(os.path.join(jdir, "**", "*.log"), recursive=True)
+              if os.path.basename(p) != "job.log"]
+    if others:
+        newest = max(others, key=os.path.getmtime)
+        lines += [f"[{os.path.basename(newest)}] {ln}" for ln in log_tail(newest, n)]
+    return lines
+
+
 def files_of(base: str, arc: str) -> list[tuple[str, str]]:
     """(path, name in the pack) of every file under `base` (a folder or one file)."""
     if os.path.isfile(base):
@@ -367,7 +380,7 @@ def cmd_run(a: argparse.Namespace) -> int:
             if seen[jid] != now:
                 say(f"{q['name']}: {jid}: {describe(q, jid)}")
                 if now in ENDED:
-                    for line in log_tail(os.path.join(qdir(q), jid, "job.log"), a.tail):
+                    for line in job_tail(q, jid, a.tail):
                         print("  | " + line[-300:], flush=True)
                 seen[jid] = now
         pending = [j["id"] for j in q["jobs"] if st.get(j["id"], {}).get("state") not in ENDED
@@ -381,7 +394,7 @@ def cmd_run(a: argparse.Namespace) -> int:
         time.sleep(min(a.poll, max(0.2, t_end - time.time())))
     running = [j["id"] for j in q["jobs"] if status(q).get(j["id"], {}).get("state") == "running"]
     for jid in running:  # what the job is doing now
-        for line in log_tail(os.path.join(qdir(q), jid, "job.log"), a.tail):
+        for line in job_tail(q, jid, a.tail):
             print(f"  {jid} | " + line[-300:], flush=True)
     files = pack(q, out)
     for job in q["jobs"]:
@@ -435,7 +448,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--deadline", type=float, required=True, help="seconds from now to return by (packing included)")
     r.add_argument("--only", default="", help="these job ids only (comma-separated), in the file's order")
     r.add_argument("--poll", type=float, default=10.0, help=argparse.SUPPRESS)
-    r.add_argument("--tail", type=int, default=15, help="log lines shown of a job that ended or is running")
+    r.add_argument("--tail", type=int, default=12,
+                   help="log lines shown of a job that ended or is running (its own log and its newest other log)")
     rr = sub.add_parser("_runner")
     rr.add_argument("jobs")
     rr.add_argument("--only", default="")

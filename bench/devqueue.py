@@ -17,7 +17,8 @@ JOBS.json:
   {"name": "issue18", "env": {"NAME": "VALUE"},
    "jobs": [{"id": "tune-decode", "timeout": 420, "cmd": "bash command", "keep": ["/tmp/moe-configs"]}, ...]}
 
-Each job runs `bash -c CMD` from the checkout root with the caller's environment plus `env`,
+Each job runs `bash -c CMD` from the checkout root (the one the latest `run` came from) with the
+runner's environment (that of the `run` that started it) plus `env`,
 `OUT` and `QUEUE_JOB_DIR` set to its own folder (/tmp/queue/NAME/ID; $QUEUE_STATE_DIR moves /tmp/queue)
 and `QUEUE_DATE` (the UTC date, YYYYMMDD, when the queue first started: one tag for every result of
 the queue), in its own process group, ended (TERM, then KILL) at `timeout` seconds. Its rc is recorded
@@ -221,11 +222,14 @@ def runner(jobs_path: str, only: str) -> int:
         jdir = os.path.join(d, jid)
         os.makedirs(jdir, exist_ok=True)
         env = {**os.environ, **q.get("env", {}), "OUT": jdir, "QUEUE_JOB_DIR": jdir, "QUEUE_DATE": info["date"]}
+        # the checkout the latest `run` came from (each device call brings the working tree again)
+        root = read_json(os.path.join(d, "runner.json"), {}).get("root") or ROOT
+        root = root if os.path.isdir(root) else ROOT
         log = open(os.path.join(jdir, "job.log"), "a")
         log.write(f"queue: {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} start: {job['cmd']}\n")
         log.flush()
         t0 = time.time()
-        proc = subprocess.Popen(["bash", "-c", job["cmd"]], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(["bash", "-c", job["cmd"]], cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
         set_status(q, jid, state="running", pid=proc.pid, started=t0, attempts=st.get("attempts", 0) + 1,
                    timeout=job["timeout"])
@@ -264,7 +268,7 @@ def ensure_runner(q: dict[str, Any], jobs_path: str, only: str) -> None:
                 f"{q['name']}: {job['id']} was interrupted twice; not run again")
     if all(status(q).get(j["id"], {}).get("state") in ENDED for j in q["jobs"]):
         return
-    info = {"date": info.get("date") or time.strftime("%Y%m%d", time.gmtime()), "jobs_file": jobs_path}
+    info = {"date": info.get("date") or time.strftime("%Y%m%d", time.gmtime()), "jobs_file": jobs_path, "root": ROOT}
     write_json(os.path.join(d, "runner.json"), info)
     argv = [sys.executable, os.path.abspath(__file__), "_runner", jobs_path] + (["--only", only] if only else [])
     with open(os.path.join(d, "runner.log"), "a") as log:
@@ -371,6 +375,8 @@ def cmd_run(a: argparse.Namespace) -> int:
         print("queue: run: $OUT is not set (the device call's folder for files to bring back)", file=sys.stderr)
         return 2
     ensure_runner(q, a.jobs, a.only)
+    path = os.path.join(qdir(q), "runner.json")
+    write_json(path, {**read_json(path, {}), "root": ROOT})  # where the runner starts the next job
     seen = {j["id"]: status(q).get(j["id"], {}).get("state", "not started") for j in q["jobs"]}
     while True:
         st = status(q)

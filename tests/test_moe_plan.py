@@ -98,9 +98,10 @@ def write_jobs(path: str, jobs: list[dict], name: str = "t", env: dict | None = 
     return path
 
 
-def run_queue(jobs: str, deadline: float, out: str, state: str, *extra: str) -> subprocess.CompletedProcess:  # type: ignore[type-arg]
+def run_queue(jobs: str, deadline: float, out: str, state: str, *extra: str,
+              script: str = os.path.join(BENCH, "devqueue.py")) -> subprocess.CompletedProcess:  # type: ignore[type-arg]
     env = clean_env(OUT=out, QUEUE_STATE_DIR=state)
-    return subprocess.run([sys.executable, os.path.join(BENCH, "devqueue.py"), "run", jobs, "--deadline",
+    return subprocess.run([sys.executable, script, "run", jobs, "--deadline",
                            str(deadline), "--poll", "0.3", *extra], capture_output=True, text=True, env=env,
                           timeout=deadline + 60)
 
@@ -115,14 +116,19 @@ def test_queue_runs_on_between_calls_and_packs_each_job(tmp_path) -> None:  # ty
     jobs = write_jobs(str(tmp_path / "j.json"), [
         {"id": "a", "timeout": 60, "cmd": "echo $FOO $QUEUE_DATE; sleep 4; echo r > $OUT/r.json", "keep": [str(keep)]},
         {"id": "slow", "timeout": 2, "cmd": "sleep 60 & sleep 60"},
-        {"id": "c", "timeout": 60, "cmd": "exit 3"}], env={"FOO": "bar"})
+        {"id": "c", "timeout": 60, "cmd": "pwd > $OUT/pwd.txt; exit 3"}], env={"FOO": "bar"})
     state = str(tmp_path / "state")
     first = run_queue(jobs, 2, str(tmp_path / "o1"), state)
     assert first.returncode == 10 and "NOT DONE: run the same command again in the next call" in first.stdout
     assert sorted(os.listdir(tmp_path / "o1")) == ["a.tgz", "queue-t.json"]  # a: running, packed as it is
-    second = run_queue(jobs, 60, str(tmp_path / "o2"), state)
+    # the next call comes from another copy of the checkout: the jobs started after it run there
+    tree = tmp_path / "tree"
+    (tree / "bench").mkdir(parents=True)
+    (tree / "bench" / "devqueue.py").write_text(open(os.path.join(BENCH, "devqueue.py")).read())
+    second = run_queue(jobs, 60, str(tmp_path / "o2"), state, script=str(tree / "bench" / "devqueue.py"))
     assert second.returncode == 0, second.stdout + second.stderr
     assert "the runner is running" in second.stdout and "t: all ended" in second.stdout
+    assert (tmp_path / "state" / "t" / "c" / "pwd.txt").read_text().strip() == str(tree)
     st = json.load(open(tmp_path / "o2" / "queue-t.json"))["status"]
     assert (st["a"]["state"], st["a"]["rc"]) == ("done", 0)
     assert (st["slow"]["state"], st["slow"]["rc"]) == ("timeout", "timeout") and st["slow"]["wall_s"] < 25

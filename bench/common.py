@@ -103,6 +103,9 @@ def reports_summary(report_dir: str) -> dict[str, Any]:
         "buffers": [b for r in workers for b in r.get("buffers", [])],
         "profile_forward_tokens": [t for r in workers for t in r["telemetry"]["profile_forward_tokens"]],
         "buckets": {k: v for r in workers for k, v in r["telemetry"]["forwards"].get("buckets", {}).items()},
+        # the moe-configs patch: per expert shape, the config file vLLM's fused-MoE kernel used
+        "moe_configs": {k: v for r in reps for k, v in
+                        ((r.get("patches") or {}).get("moe-configs") or {}).get("moe_configs", {}).items()},
     }
 
 

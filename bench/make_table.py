@@ -69,7 +69,9 @@ def load_benches(res: str) -> list[dict]:  # type: ignore[type-arg]
 
 def config_label(r: dict) -> str:  # type: ignore[type-arg]
     kv = r.get("kv_cache_dtype", "auto")
+    moe = r.get("moe_config_dir")
     return (f"{r.get('config')}" + ("" if kv == "auto" else f", KV {kv}")
+            + (f", tuned MoE configs ({len(moe.get('files') or [])} files)" if moe else "")
             + (f", cap {r['profile_run_cap']}" if r.get("profile_run_cap") else "")
             + (f", TP {tp}" if (tp := r.get("settings", {}).get("tensor_parallel_size", 1)) > 1 else ""))
 
@@ -157,8 +159,9 @@ def overlay_vs_stock(benches: list[dict]) -> list[str]:  # type: ignore[type-arg
             and not r.get("profile_run_cap")]
     out = []
     for ov in [r for r in runs if r["config"] == "overlay"]:
-        # the stock run with the same settings: its file name differs only in the configuration
-        twin = os.path.basename(ov["_file"]).replace("-overlay-", "-stock-")
+        # the stock run with the same settings: its file name differs only in the configuration (and
+        # -moetuned, the overlay's tuned fused-MoE configs, which stock vLLM does not read)
+        twin = os.path.basename(ov["_file"]).replace("-overlay-", "-stock-").replace("-moetuned", "")
         st = next((r for r in runs if r["config"] == "stock" and os.path.basename(r["_file"]) == twin), None)
         if not st:
             continue
@@ -169,7 +172,9 @@ def overlay_vs_stock(benches: list[dict]) -> list[str]:  # type: ignore[type-arg
         for name, key, unit, lower_is_better in (("decode-1", "ms_per_token_per_stream", "ms/token", True),
                                                  ("decode-16", "ms_per_token_per_stream", "ms/token", True),
                                                  ("prefill-8k", "seconds", "s", True),
-                                                 ("band-mix", "tokens_per_s", "tok/s", False)):
+                                                 ("band-mix", "tokens_per_s", "tok/s", False),
+                                                 ("prefill-heavy", "tokens_per_s", "tok/s", False),
+                                                 ("mixed-long", "tokens_per_s", "tok/s", False)):
             a, b = ov["workloads"].get(name, {}).get(key), st["workloads"].get(name, {}).get(key)
             if not (a and b):
                 continue
@@ -182,24 +187,165 @@ def overlay_vs_stock(benches: list[dict]) -> list[str]:  # type: ignore[type-arg
         if ov.get("logprobs") and st.get("logprobs"):
             out += ["", f"First generated token, top-20 logprobs on the same 8 prompts: "
                         f"{_logprob_agreement(ov['logprobs'], st['logprobs'], 'stock')}."]
-        low = next((r for r in runs if r["config"] == "stock" and r["model"] == ov["model"]
-                    and r["mnbt"] < ov["mnbt"] and r["workloads"].get("band-mix")
-                    and r.get("settings", {}).get("tensor_parallel_size", 1) == tp), None)
-        if low and ov["workloads"].get("band-mix"):
-            a, b = ov["workloads"]["band-mix"], low["workloads"]["band-mix"]
-            ratio = a["tokens_per_s"]["median"] / b["tokens_per_s"]["median"]
-            out += ["", f"The bug report's trade (band mix: three prompts of 2400-2600 tokens with 8 short ones, 128 "
-                        f"tokens out each): overlay at mnbt {ov['mnbt']} {fmt_stat(a['tokens_per_s'])} tok/s, TTFT "
-                        f"p50/p99 of the long prompts {a['ttft_long_prompts_s']['p50']:.3f}/"
-                        f"{a['ttft_long_prompts_s']['p99']:.3f} s; stock at mnbt {low['mnbt']} ({low['_file']}) "
-                        f"{fmt_stat(b['tokens_per_s'])} tok/s, TTFT {b['ttft_long_prompts_s']['p50']:.3f}/"
-                        f"{b['ttft_long_prompts_s']['p99']:.3f} s: **{ratio:.3f} x** (target >= 1.10 x: "
-                        f"{'met' if ratio >= 1.10 else 'MISSED'})."]
+        moe = (ov.get("reports") or {}).get("moe_configs")
+        if moe:
+            out += ["", "Fused-MoE config per expert shape (the overlay's report): " + "; ".join(
+                f"{k}: {v}" for k, v in sorted(moe.items())) + "."]
+        out += lever_lines(ov, runs)
+        out += trade_lines(ov, st, runs)
         procs = ov.get("reports", {}).get("processes", [])
         if any(x.get("load_apply_s") for x in procs):
             out += ["", f"Plugin load + apply, measured in each process: at most {max_apply_ms(procs)} (target < 1 s)."]
         out.append("")
     return (["### Overlay vs stock vLLM", "", *out] if out else [])
+
+
+# The trade the bug report raised max_num_batched_tokens for: workload -> (what it is, target for the
+# overlay at the higher mnbt over stock at the lower). Stock alone measured 1.46 x and 1.16 x for 8192
+# over 4096 on the two mixes (vLLM 0.20.2, one H200, 2026-11-30).
+TRADE = {"band-mix": ("three prompts of 2400-2600 tokens with 8 of 64, 128 tokens out each", 1.10),
+         "prefill-heavy": ("12 prompts of 3000 tokens with 8 of 64, 16 out each", 1.40),
+         "mixed-long": ("8 prompts of 2000-3400 tokens with 16 of 64, 64 out each", 1.12)}
+
+
+def name_suffix(r: dict) -> str:  # type: ignore[type-arg]
+    """What a result's file name adds after its mnbt (KV dtype, cap, TP, tag), without -moetuned: runs
+    of one set (same day, same settings) share it."""
+    base = os.path.basename(r["_file"]).removesuffix(".json")
+    return base.split(f"-mnbt{r.get('mnbt')}", 1)[-1].replace("-moetuned", "")
+
+
+def lever_lines(ov: dict, runs: list[dict]) -> list[str]:  # type: ignore[type-arg]
+    """The tuned fused-MoE configs alone: an overlay run with them against the overlay run of the same
+    set without them (file names differing only in -moetuned)."""
+    if "-moetuned" not in ov["_file"]:
+        return []
+    plain = os.path.basename(ov["_file"]).replace("-moetuned", "")
+    base = next((r for r in runs if r["config"] == "overlay" and os.path.basename(r["_file"]) == plain), None)
+    if not base:
+        return []
+    rows = []
+    for name in ("decode-1", "decode-16", "prefill-8k", "band-mix", "prefill-heavy", "mixed-long"):
+        key = "ms_per_token_per_stream" if name.startswith("decode") else "tokens_per_s"
+        a, b = ov["workloads"].get(name, {}).get(key), base["workloads"].get(name, {}).get(key)
+        if a and b:
+            unit = "ms/token" if key.startswith("ms") else "tok/s"
+            rows.append(f"| {name} ({unit}) | {fmt_stat(a, digits=3)} | {fmt_stat(b, digits=3)} | "
+                        f"{a['median'] / b['median']:.3f} |")
+    if not rows:
+        return []
+    return ["", f"The tuned fused-MoE configs alone: the overlay with them against the overlay without them "
+                f"({base['_file']}), same set:", "", "| workload | with tuned configs | vLLM's default configs | "
+                "with / without |", "|---|---|---|---|", *rows]
+
+
+def trade_lines(ov: dict, st: dict, runs: list[dict]) -> list[str]:  # type: ignore[type-arg]
+    """The overlay at its mnbt against stock at a lower mnbt of the same set, on the mixes both ran."""
+    low = next((r for r in runs if r["config"] == "stock" and r["model"] == ov["model"] and r["mnbt"] < ov["mnbt"]
+                and name_suffix(r) == name_suffix(ov) and any(w in r["workloads"] for w in TRADE)), None)
+    if not low:
+        return []
+    rows = []
+    for name, (what, target) in TRADE.items():
+        a, b = ov["workloads"].get(name), low["workloads"].get(name)
+        if not (a and b):
+            continue
+        ratio = a["tokens_per_s"]["median"] / b["tokens_per_s"]["median"]
+        c = st["workloads"].get(name)
+        alone = f"{c['tokens_per_s']['median'] / b['tokens_per_s']['median']:.3f} x" if c else "-"
+
+        def ttft(w: dict) -> str:  # type: ignore[type-arg]
+            t = w.get("ttft_long_prompts_s")
+            return f"{t['p50']:.3f}/{t['p99']:.3f}" if t else "-"
+
+        rows.append(f"| {name}: {what} | {fmt_stat(a['tokens_per_s'])} | {ttft(a)} | {fmt_stat(b['tokens_per_s'])} | "
+                    f"{ttft(b)} | **{ratio:.3f} x** | {alone} | >= {target:.2f} x: {'met' if ratio >= target else 'MISSED'} |")
+    if not rows:
+        return []
+    return ["", f"The trade the bug report raised max_num_batched_tokens for: the overlay at mnbt {ov['mnbt']} against "
+                f"stock at mnbt {low['mnbt']} ({low['_file']}); tokens/s median (min-max), TTFT p50/p99 of the long "
+                "prompts in s; the last but one column is stock alone at the higher mnbt over the lower, same set:", "",
+            f"| workload | overlay {ov['mnbt']} tok/s | TTFT | stock {low['mnbt']} tok/s | TTFT | overlay {ov['mnbt']} / "
+            f"stock {low['mnbt']} | stock {st['mnbt']} / stock {low['mnbt']} | target |",
+            "|---|---|---|---|---|---|---|---|", *rows]
+
+
+def breakdown_section(benches: list[dict]) -> list[str]:  # type: ignore[type-arg]
+    """bench.py --breakdown: per run, the decode step's GPU time by kernel family at each stream count."""
+    out = []
+    for r in benches:
+        bd = r.get("breakdown")
+        if not bd:
+            continue
+        by = bd.get("by_streams", {})
+        streams = sorted(by, key=int)
+        fams: list[str] = []
+        for n in streams:
+            for f in by[n].get("families", {}):
+                if f not in fams:
+                    fams.append(f)
+        out += [f"#### {r['model']}, {config_label(r)}, mnbt {r['mnbt']} ({r['_file']})", ""]
+        if fams:
+            first = by[streams[0]].get("families", {})
+            fams.sort(key=lambda f: (f.startswith("gaps"), -(first.get(f, {}).get("ms_per_step") or 0)))
+            out += ["| kernel family | " + " | ".join(f"{n} stream{'s' if n != '1' else ''}: ms per step (share)"
+                                                       for n in streams) + " |",
+                    "|---|" + "---|" * len(streams)]
+            for f in fams:
+                cells = []
+                for n in streams:
+                    v = by[n].get("families", {}).get(f)
+                    cells.append(f"{v['ms_per_step']:.3f} ({100 * (v.get('share_of_wall') or 0):.0f} %)" if v else "-")
+                out.append(f"| {f} | " + " | ".join(cells) + " |")
+        for n in streams:
+            v = by[n]
+            if v.get("families"):
+                out.append(f"- {n} stream(s): wall {v['wall_ms_per_step']:.3f} ms per step (median of "
+                           f"{v['steps']} steps without the profiler; {v.get('wall_ms_per_step_under_profiler')} ms "
+                           f"under it), GPU busy {v['gpu_busy_ms_per_step']:.3f} ms, {v['kernel_events'] / v['steps']:.0f} "
+                           f"kernels and {v['cuda_graph_launches'] / v['steps']:.1f} CUDA graph launches per step")
+            else:
+                out.append(f"- {n} stream(s): {v.get('problem') or v.get('error') or v.get('skipped')}")
+        moe = (r.get("reports") or {}).get("moe_configs")
+        lines = [ln for ln in r.get("moe_config_log", []) if "Using default MoE config" in ln or "moe-configs:" in ln]
+        if moe or lines:
+            out.append("- fused-MoE config: " + ("; ".join(f"{k}: {v}" for k, v in sorted(moe.items())) if moe
+                                                 else lines[0][-200:]))
+        out.append("")
+    if not out:
+        return []
+    return ["### Where a decode step's time goes (`bench/bench.py --breakdown`, torch.profiler)", "",
+            "GPU kernel time per decode step by family (the family rules are in the result), share of the step's wall "
+            "time in brackets; gaps = wall minus GPU busy (scheduling, sampling, launches between CUDA graphs).", "",
+            *out]
+
+
+def tune_section(paths: list[str]) -> list[str]:
+    out = []
+    for path in paths:
+        t = json.load(open(path))
+        out += [f"### Fused-MoE configs tuned with `vllm-overlay tune-moe` ({os.path.relpath(path, ROOT)})", "",
+                f"{t.get('device')}, vLLM {t.get('vllm')}, Triton {t.get('triton')}, {t.get('search')} search, "
+                f"{t.get('first_utc')} to {t.get('last_utc')}. {t.get('method', '')}.", "",
+                "| shape | batch | vLLM's config us | tuned us | speedup | configs timed | s | tuned config (M, N, K, "
+                "group, warps, stages) |", "|---|---|---|---|---|---|---|---|"]
+        for shape, rec in t.get("shapes", {}).items():
+            for b in sorted(rec.get("batches", {}), key=int):
+                x = rec["batches"][b]
+                c = x["config"]
+                before = x.get("default_us")
+                speedup = f"{before / x['us']:.3f} x" if before else "-"
+                out.append(f"| {shape} | {b} | {before if before is not None else '-'} | {x['us']} | "
+                           f"{speedup} | {x.get('tried')} | "
+                           f"{x.get('seconds', '-')} | {c.get('BLOCK_SIZE_M')}, {c.get('BLOCK_SIZE_N')}, "
+                           f"{c.get('BLOCK_SIZE_K')}, {c.get('GROUP_SIZE_M')}, {c.get('num_warps')}, "
+                           f"{c.get('num_stages')} |")
+            rest = [b for b in rec.get("file_batch_sizes", []) if b not in rec.get("tuned", [])]
+            if rest:
+                out.append(f"| {shape} | {', '.join(map(str, rest))} | not tuned: the file holds vLLM's own config "
+                           "| | | | | |")
+        out.append("")
+    return out
 
 
 def cross_compare(paths: list[str]) -> list[str]:
@@ -432,6 +578,8 @@ def render() -> str:
     if benches:
         lines += bench_rows(benches)
         lines += overlay_vs_stock(benches)
+        lines += breakdown_section(benches)
+    lines += tune_section(sorted(glob.glob(os.path.join(res, "tune-moe-*.json"))))
     lines += turboquant_section(res, benches)
     lines += stack_section(sorted(glob.glob(os.path.join(res, "stack-*.json"))))
     notes = os.path.join(HERE, "notes.md")

@@ -2,7 +2,7 @@
 16 streams, with CUDA graphs on (vLLM's default compilation), aggregated by kernel family.
 
   python bench/moe_breakdown_h200.py [--model qwen36-35b-a3b-geometry] [--config overlay|stock]
-      [--streams 1,16] [--steps 30] [--out DIR] [--timeout 530] [--keep-trace]
+      [--streams 1,16] [--steps 30] [--out DIR] [--timeout 530] [--keep-trace] [--moe-config-dir DIR]
 
 Runs on a CUDA machine with vLLM 0.20.2 (staged with PYTHONPATH=/tmp/site, as bench.py) in one
 child process (an in-process engine: VLLM_ENABLE_V1_MULTIPROCESSING=0, so the profiler sees the
@@ -15,9 +15,11 @@ is past its prefill, then --steps engine steps run under torch.profiler. From th
 kernels: per family (fused MoE, GDN, full attention, dense GEMMs, norms and small ops, other) the
 kernel time per step, its share of the step's wall time, kernel counts and the top kernels; the
 GPU-busy time (union of kernel intervals) and the gaps: wall per step minus GPU busy per step (CPU
-scheduling, sampling, launch gaps between CUDA graphs). The wall time per step is taken from the same
-number of steps run just before, without the profiler (its overhead would inflate the gaps); the
-profiled steps' wall time is recorded beside it. The "levers" list ranks families by time
+scheduling, sampling, launch gaps between CUDA graphs). The wall time per step is the median of the
+same number of steps run just before without the profiler (its overhead would inflate the gaps), each
+step the interval between two returns of engine.step() (no device sync in between, so scheduling
+overlaps the previous step as in serving); their mean, min and max and the profiled steps' wall time
+are recorded beside it. The "levers" list ranks families by time
 per step. Kernel names that match no family are listed under "other" with their times, so a
 family can be corrected from the JSON without rerunning. Known ambiguity: the SiLU-and-mul kernel
 (act_and_mul) serves both the routed experts inside fused_experts and the dense shared expert, and
@@ -33,6 +35,7 @@ import json
 import logging
 import os
 import re
+import statistics
 import sys
 import tempfile
 import time
@@ -135,6 +138,12 @@ def decode_profile(engine: Any, sampling: Any, streams: int, steps: int, tag: in
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    cuda = torch.cuda.is_available()  # without CUDA (the CPU build's rehearsal) the trace has no kernels
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
     ids = [f"s{tag}-{i}" for i in range(streams)]
     for rid, p in zip(ids, common.prompts([32] * streams, seed=tag)):
         engine.add_request(rid, p, sampling)
@@ -148,24 +157,35 @@ def decode_profile(engine: Any, sampling: Any, streams: int, steps: int, tag: in
             raise TimeoutError(f"{streams} streams: not all decoding after {warm} steps before the deadline")
     for _ in range(5):  # a few plain decode steps: the steady state
         engine.step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()  # the step's wall time without the profiler's own overhead
+    sync()
+    # the step's wall time without the profiler's own overhead: the interval between consecutive
+    # returns of engine.step() (no device sync in between, so vLLM's overlap of scheduling with the
+    # previous step stays as in serving), the median (one slow step would move a mean)
+    plain = []
+    t_last = time.perf_counter()
     for _ in range(steps):
         engine.step()
-    torch.cuda.synchronize()
-    wall_plain = time.perf_counter() - t0
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=False) as prof:
+        now = time.perf_counter()
+        plain.append(now - t_last)
+        t_last = now
+    sync()
+    wall_plain = statistics.median(plain) * steps
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with profile(activities=activities, record_shapes=False) as prof:
         t0 = time.perf_counter()
         sizes = []
         for _ in range(steps):
             outs = engine.step()
             sizes.append(sum(1 for o in outs if o.request_id in ids))
-        torch.cuda.synchronize()
+        sync()
         wall = time.perf_counter() - t0
     prof.export_chrome_trace(trace_path)
     res = summarize(load_trace(trace_path), steps, wall_plain)
     res["streams"] = streams
     res["wall_ms_per_step_under_profiler"] = round(1000.0 * wall / steps, 4)
+    res["wall_ms_per_step_plain"] = {"median": round(1000.0 * statistics.median(plain), 4),
+                                     "mean": round(1000.0 * sum(plain) / steps, 4),
+                                     "min": round(1000.0 * min(plain), 4), "max": round(1000.0 * max(plain), 4)}
     res["outputs_per_step"] = sorted(set(sizes))
     res["warmup_steps"] = warm
     try:
@@ -242,6 +262,8 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(common.HERE, "results"))
     ap.add_argument("--timeout", type=int, default=530, help="the child's wall limit in seconds")
     ap.add_argument("--keep-trace", action="store_true", help="also write the gzipped traces under --out")
+    ap.add_argument("--moe-config-dir", default="", metavar="DIR",
+                    help="overlay only: tuned fused-MoE configs from DIR (VLLM_OVERLAY_MOE_CONFIG_DIR)")
     ap.add_argument("--child-budget", type=float, default=500, help=argparse.SUPPRESS)
     ap.add_argument("--out-dir", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -254,11 +276,14 @@ def main() -> None:
         ap.error(f"--streams {raw!r}: expected comma-separated integers in [1, 64] (max_num_seqs is 64)")
     if args.steps < 1:
         ap.error(f"--steps {args.steps}: expected an integer >= 1")
+    if args.moe_config_dir and args.config != "overlay":
+        ap.error(f"--moe-config-dir with --config {args.config}: the tuned configs are read by the overlay's "
+                 "moe-configs patch; expected --config overlay")
     if args.child:
         child(args.child, args)
         return
     os.makedirs(args.out, exist_ok=True)
-    tag = f"moe-breakdown-{args.model}-{args.config}"
+    tag = f"moe-breakdown-{args.model}-{args.config}{'-moetuned' if args.moe_config_dir else ''}"
     fwd = ["--model", args.model, "--config", args.config, "--streams", ",".join(map(str, args.streams)),
            "--steps", str(args.steps), "--mem", str(args.mem), "--child-budget", str(max(60, args.timeout - 30)),
            "--out-dir", os.path.abspath(args.out)]
@@ -266,6 +291,8 @@ def main() -> None:
         fwd.append("--keep-trace")
     env = {**CONFIGS[args.config], "VLLM_OVERLAY_REPORT_DIR": os.path.join(args.out, f"reports-{tag}"),
            "PYTHONUNBUFFERED": "1"}
+    if args.moe_config_dir:  # run_child drops the caller's VLLM_OVERLAY_* variables: pass it on here
+        env["VLLM_OVERLAY_MOE_CONFIG_DIR"] = os.path.abspath(args.moe_config_dir)
     log = os.path.join(args.out, f"{tag}.log")
     r = common.run_child(os.path.abspath(__file__), fwd, env, log, args.timeout)
     if os.path.exists(log):
@@ -288,7 +315,8 @@ def main() -> None:
                            "prefix_caching": False, "max_model_len": 4096, "max_num_seqs": 64,
                            "max_num_batched_tokens": 8192, "gpu_memory_utilization": args.mem,
                            "weights": "dummy bf16", "overlay": args.config == "overlay", "streams": args.streams,
-                           "profiled_steps": args.steps, "prompt_tokens": 32, "families": dict(FAMILIES)}})
+                           "profiled_steps": args.steps, "prompt_tokens": 32, "families": dict(FAMILIES),
+                           "moe_config_dir": os.path.abspath(args.moe_config_dir) if args.moe_config_dir else None}})
     common.write_result(os.path.join(args.out, f"{tag}.json"), r)
 
 

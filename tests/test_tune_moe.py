@@ -121,7 +121,10 @@ def test_writes_vllm_format_and_prints_before_after(tmp_path, capsys: pytest.Cap
     path = out_dir / "E=256,N=512,device_name=NVIDIA_H200.json"
     data = json.loads(path.read_text())
     assert data.pop("triton_version") == "3.5.0"
-    assert data == {"1": BEST, "16": BEST, "256": BEST}
+    # the sizes asked for carry their best config; the rest of vLLM's grid holds vLLM's own config
+    assert {k: v for k, v in data.items() if v == BEST} == {"1": BEST, "16": BEST, "256": BEST}
+    assert sorted(map(int, data)) == sorted(set(space.DEFAULT_BATCH_SIZES) | {1, 16, 256})
+    assert all(v == VLLM_DEFAULT for k, v in data.items() if k not in ("1", "16", "256"))
     out = capsys.readouterr().out
     # piped: plain lines, a progress line, a before/after row per batch size
     assert "configs timed: " in out and "\x1b[" not in out
@@ -131,6 +134,7 @@ def test_writes_vllm_format_and_prints_before_after(tmp_path, capsys: pytest.Cap
     state = json.loads((out_dir / "tune-state" / "E=256,N=512,device_name=NVIDIA_H200.state.json").read_text())
     assert state["meta"]["device"] == DEVICE and sorted(state["batches"]) == ["1", "16", "256"]
     assert state["batches"]["1"]["default_config"] == VLLM_DEFAULT
+    assert state["batches"]["1"]["seconds"] >= 0 and state["batches"]["1"]["utc"].endswith("Z")
 
 
 def test_time_limit_stops_keeps_finished_batches_and_resumes(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -159,6 +163,35 @@ def test_time_limit_stops_keeps_finished_batches_and_resumes(tmp_path) -> None: 
     tunerun.execute(Options(shapes=[shape()], batch_sizes=[1], out_dir=str(tmp_path), fresh=True),
                     gpu.backend(), Out(force_plain=True))
     assert gpu.calls[("E=256,N=512,dtype=bf16", 1)] == 2 * first[("E=256,N=512,dtype=bf16", 1)]
+
+
+def test_a_file_of_decode_sizes_never_runs_a_prefill_with_a_decode_tile(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Tuning only the decode sizes (1-128) writes vLLM's own config for every size of vLLM's grid
+    above them: vLLM takes the nearest size in the file, so without those an 8192-token forward would
+    run the tile tuned for 128 tokens."""
+    def default_for(shape: Shape, batch: int) -> dict[str, int]:  # vLLM's heuristic grows with the batch
+        return {**VLLM_DEFAULT, "BLOCK_SIZE_M": 16 if batch <= 32 else 64 if batch <= 512 else 128}
+
+    gpu = FakeGPU()
+    backend = gpu.backend()
+    backend.vllm_choice = default_for
+    decode = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128]
+    res = tunerun.execute(Options(shapes=[shape()], batch_sizes=decode, out_dir=str(tmp_path)), backend,
+                          Out(force_plain=True))
+    assert res["exit_code"] == tunerun.DONE
+    data = json.loads((tmp_path / "E=256,N=512,device_name=NVIDIA_H200.json").read_text())
+    data.pop("triton_version")
+    configs = {int(k): v for k, v in data.items()}
+    for m in (3000, 8192, 700):  # vLLM's own lookup: the nearest batch size in the file
+        nearest = min(configs, key=lambda b: abs(b - m))
+        assert nearest > 128 and configs[nearest] == default_for(shape(), nearest)
+    assert all(configs[b] == BEST for b in decode)
+    # the resumed run over the whole grid times only the sizes not tuned yet
+    first = dict(gpu.calls)
+    res2 = tunerun.execute(Options(shapes=[shape()], batch_sizes=list(space.DEFAULT_BATCH_SIZES),
+                                   out_dir=str(tmp_path)), backend, Out(force_plain=True))
+    assert [r["resumed"] for r in res2["rows"]] == [b in decode for b in space.DEFAULT_BATCH_SIZES]
+    assert all(gpu.calls[key] == n for key, n in first.items()) and len(gpu.calls) == len(space.DEFAULT_BATCH_SIZES)
 
 
 def test_state_from_other_settings_is_not_resumed(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
@@ -212,8 +245,9 @@ def test_the_patch_picks_up_what_tune_moe_wrote(tmp_path, monkeypatch: pytest.Mo
     with installing(moe_configs.PATCH_ID):
         installed = install(moe_configs.SPEC, moe_configs, moe_configs.FUSED_MOE, "0.32.0")
     try:
-        assert fm.get_moe_configs(256, 256, None, 0, 0) == {1: BEST, 64: BEST}
-        assert fm.try_get_optimal_moe_config((256, 512, 2048), (256, 2048, 256), 8, None, 50) == BEST
+        got = fm.get_moe_configs(256, 256, None, 0, 0)
+        assert got[1] == got[64] == BEST and sorted(got) == tunerun.file_batch_sizes([1, 64])
+        assert fm.try_get_optimal_moe_config((256, 512, 2048), (256, 2048, 256), 8, None, 62) == BEST
         monkeypatch.setattr(fm, "get_device_name_as_file_name", lambda device_id=0: "NVIDIA_A100-SXM4-80GB")
         moe_configs.reset()
         assert fm.get_moe_configs(256, 256, None, 0, 0) is None  # another device: vLLM's default

@@ -40,7 +40,8 @@ def test_tunes_two_batch_sizes_and_the_patch_uses_the_file(tmp_path, monkeypatch
         assert math.isfinite(row["before_us"]) and 0 < row["after_us"] <= row["before_us"] * 1.0001
     (path,) = res["written"]
     data = json.load(open(path))
-    assert set(data) == {"triton_version", "1", "64"}
+    tuned = {k for k, v in data.items() if k != "triton_version"}
+    assert {"1", "64"} <= tuned and tuned == {str(b) for b in tunerun.file_batch_sizes([1, 64])}
 
     monkeypatch.setenv("VLLM_OVERLAY_MOE_CONFIG_DIR", str(tmp_path))
     monkeypatch.setenv("VLLM_OVERLAY_REPORT_DIR", str(tmp_path / "reports"))

@@ -101,6 +101,7 @@ def execute(opts: Options, backend: Backend, out: Out | None = None,
                 if clock() >= deadline:
                     stopped = f"before {shape.label()} batch {batch}"
                     break
+                t_batch = clock()
                 before_cfg = backend.vllm_choice(shape, batch)
                 before = _bench(backend, shape, batch, before_cfg)
                 tick.advance()
@@ -126,7 +127,9 @@ def execute(opts: Options, backend: Backend, out: Out | None = None,
                     continue
                 state.record(batch, {"config": best_cfg, "us": round(best, 3),
                                      "default_us": round(before, 3) if math.isfinite(before) else None,
-                                     "default_config": before_cfg, "tried": tried})
+                                     "default_config": before_cfg, "tried": tried,
+                                     "seconds": round(clock() - t_batch, 1),
+                                     "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
                 path = _write_config(opts, backend, shape, name, state)
                 if path not in written:
                     written.append(path)
@@ -148,6 +151,11 @@ def execute(opts: Options, backend: Backend, out: Out | None = None,
         done = sum(1 for b in opts.batch_sizes if state.done(b))
         if os.path.exists(path):
             rest = "" if done == len(opts.batch_sizes) else "; the others hold vLLM's default for that size"
+            held = file_batch_sizes(opts.batch_sizes)
+            tuned = sum(1 for b in held if state.done(b))
+            if tuned < len(held):
+                rest += (f"; the file holds {len(held)} batch sizes, {tuned} tuned (in this run or an earlier one), "
+                         "the others vLLM's own config for that size")
             out.line(f"{path}: {done} of {len(opts.batch_sizes)} batch sizes tuned{rest}")
     from vllm_overlay.patches.moe_configs import user_dir
 
@@ -160,9 +168,17 @@ def execute(opts: Options, backend: Backend, out: Out | None = None,
             "rows": [r.__dict__ for r in rows], "elapsed_s": clock() - t0}
 
 
+def file_batch_sizes(batch_sizes: list[int]) -> list[int]:
+    """The batch sizes a written config file holds: the ones asked for plus vLLM's grid
+    (space.DEFAULT_BATCH_SIZES). vLLM runs every forward with the config of the nearest batch size in
+    the file, so a file of decode sizes alone (1-128) would run an 8192-token prefill with the tile
+    tuned for 128 tokens; with the grid there, a size not tuned holds vLLM's own config for it."""
+    return sorted(set(batch_sizes) | set(space.DEFAULT_BATCH_SIZES))
+
+
 def _write_config(opts: Options, backend: Backend, shape: Shape, name: str, state: TuneState) -> str:
     path = os.path.join(opts.out_dir, name)
-    data = state.vllm_config(opts.batch_sizes, lambda b: backend.vllm_choice(shape, b),
+    data = state.vllm_config(file_batch_sizes(opts.batch_sizes), lambda b: backend.vllm_choice(shape, b),
                              backend.versions.get("triton"))
     atomic_write_json(path, data)
     return path

@@ -504,7 +504,16 @@ def stack_section(paths: list[str]) -> list[str]:
                         "pays for the drafts and the verify and yields one token.", "",
                     "| run | workload | ms per token per stream | tokens/s |", "|---|---|---|---|", *decode]
         out += steps_lines(d)
+        out += verdict_lines(d)
         out.append("")
+    return out
+
+
+def verdict_lines(d: dict) -> list[str]:  # type: ignore[type-arg]
+    """A series' verdict as merge recorded it (bench/stack.py SERIES[...]["verdict"], e.g. tqspec's)."""
+    out = []
+    for series, lines in (d.get("verdicts") or {}).items():
+        out += ["", f"Verdict of `bench/stack.py series {series}` (from the merged runs):", "", *(f"- {ln}" for ln in lines)]
     return out
 
 

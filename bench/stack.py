@@ -13,6 +13,7 @@ calls (a server started with `boot` runs on in its own process session until `st
   python3 bench/stack.py series issue14 --deadline S [--gpus 0,1] [--labels a,b]  # boot/steps/logprobs/stop
                                                       # label after label; again in the next call until done
   python3 bench/stack.py series issue13 --deadline S  # Model Runner V2: stress + logprobs, forced guard, stock
+  python3 bench/stack.py series tqspec --deadline S   # TurboQuant + MTP, the overlay's verify path off / on
   python3 bench/stack.py stop LABEL                   # ends the server, then `collect`
   python3 bench/stack.py collect LABEL                # copies log tail, reports, results into $OUT/LABEL
   python3 bench/stack.py merge RESULT.json NAME=DIR|NAME=LABEL.json|NAME='CALLS/*/LABEL.json' ...  # (here)
@@ -38,7 +39,8 @@ VLLM_USE_V2_MODEL_RUNNER, pass through; `--env` sets more for one server and the
 server's VLLM_* variables. Several servers run side by side with their own LABEL, --port and --gpu
 (CUDA_VISIBLE_DEVICES, in nvidia-smi's order). `steps` and `logprobs` are described in
 bench/serve_measure.py; the plans of device calls: bench/tq_mtp_steps_plan.md (issue 14's
-measurements), bench/v2_plan.md (issue 13's proof on Model Runner V2).
+measurements), bench/v2_plan.md (issue 13's proof on Model Runner V2), bench/tq_spec_026_plan.md
+(TurboQuant + MTP verify steps on vLLM 0.26.0, with and without the overlay's patch).
 """
 
 from __future__ import annotations
@@ -374,6 +376,7 @@ def cmd_stress(a: argparse.Namespace) -> int:
         cmd += ["--report-dir", os.path.join(sdir(a.label), "reports")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), "/tmp/site"]))
     say(f"{a.label}: stress for at most {a.duration} s, {a.min_band} band forwards asked")
+    spec_before, ov_before = spec_counters(st["port"]), overlay_totals(a.label)
     t0 = time.time()
     with open(os.path.join(sdir(a.label), "stress.log"), "w") as log:
         try:
@@ -383,7 +386,9 @@ def cmd_stress(a: argparse.Namespace) -> int:
             rc = 124
     st = load_state(a.label)
     st.setdefault("stress_runs", []).append({"rc": rc, "wall_s": round(time.time() - t0, 1),
-                                             "min_band": a.min_band, "duration": a.duration})
+                                             "min_band": a.min_band, "duration": a.duration,
+                                             "spec_decode": spec_delta(spec_before, spec_counters(st["port"])),
+                                             "overlay": overlay_since(a.label, ov_before)})
     save_state(a.label, st)
     lines = open(os.path.join(sdir(a.label), "stress.log"), errors="replace").read().splitlines()
     for line in lines[-25:]:
@@ -512,6 +517,15 @@ def overlay_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, An
     sizes = {k: v - before["sizes"].get(k, 0) for k, v in after["sizes"].items() if v - before["sizes"].get(k, 0)}
     top = sorted(sizes.items(), key=lambda kv: -kv[1])[:6]
     return {"counters": counters, "forwards": sum(sizes.values()), "top_forward_sizes": {k: v for k, v in top}}
+
+
+def overlay_since(label: str, before: dict[str, Any]) -> dict[str, Any] | None:
+    """The overlay's counters and forwards since `before` (overlay_totals), once the reports caught up;
+    None for a server without reports (stock)."""
+    if not glob.glob(os.path.join(sdir(label), "reports", "overlay-*.json")):
+        return None
+    time.sleep(1.5)  # the overlay's reports reach their files within a second
+    return overlay_delta(before, overlay_totals(label))
 
 
 def run_round(port: int, model: str, prompts: list[list[int]], max_tokens: int) -> list[dict[str, Any]]:
@@ -709,7 +723,7 @@ def cmd_logprobs(a: argparse.Namespace) -> int:
                  f"{max_len}")
     res: dict[str, Any] = {"kind": "logprobs", "label": a.label, "vllm_args": st["vllm_args"], "top": a.top,
                            "max_tokens": a.max_tokens, "seed": a.seed, "prompts": []}
-    before = spec_counters(st["port"])
+    before, ov_before = spec_counters(st["port"]), overlay_totals(a.label)
     for i, ids in enumerate(prompts):  # one at a time: each request is a batch of its own
         rec = sm.request_logprobs(st["port"], served_model(st), ids, a.max_tokens, a.top)
         res["prompts"].append(rec)
@@ -719,6 +733,7 @@ def cmd_logprobs(a: argparse.Namespace) -> int:
                f"tokens {rec['token_ids']}, first top-1 logprob {first.get('logprob')}, {len(first.get('top', {}))} "
                f"top entries, {rec['seconds']} s"))
     res["spec_decode"] = spec_delta(before, spec_counters(st["port"]))
+    res["overlay"] = overlay_since(a.label, ov_before)  # e.g. tq_verify_as_decode_batches during these requests
     name = a.out.removesuffix(".json")
     write_json(os.path.join(sdir(a.label), f"{name}.json"), res)
     collect(a.label)
@@ -1081,6 +1096,13 @@ def cmd_merge(a: argparse.Namespace) -> int:
         res["logprobs_compare"] = pairs
         for k, c in pairs.items():
             say(f"logprobs {k}: {c.get('error') or sm.describe_comparison(c)}")
+    for series, spec in SERIES.items():  # a series' verdict on the runs it booted
+        own = {n: r for n, r in res["runs"].items() if (r.get("series") or {}).get("series") == series}
+        lines = spec["verdict"](own, pairs) if spec.get("verdict") and own else []
+        if lines:
+            res.setdefault("verdicts", {})[series] = lines
+            for line in lines:
+                say(f"verdict ({series}): {line}")
     table = sm.steps_table(res["runs"])
     if table:
         print("\n".join(table))
@@ -1105,7 +1127,147 @@ def cmd_merge(a: argparse.Namespace) -> int:
 # may leave out in one second boot ("headroom": memory-headroom, when it stopped the boot; "max-capture":
 # --max-capture, after any other failure). "expect_runner": the model runner every worker must build
 # (read from the overlay's reports, or vLLM's own log line for a stock server); another one stops the
-# series (exit 2). "compare": logprob runs printed side by side at the end.
+# series (exit 2). "compare": logprob runs printed side by side at the end; "verdict": a function of
+# (runs, comparisons) whose lines the series prints at the end and merge prints and records. Steps run
+# first; stress and logprobs in the order the item names them.
+#
+# TurboQuant + MTP on vLLM 0.26.0 (bench/tq_spec_026_plan.md): the logprobs of the verify steps with the
+# overlay's turboquant-spec-decode off (stock vLLM's path) and on, each against the same model without
+# MTP. The 35B geometry's first 8 layers (two full-attention layers with the 35B's heads): the tiny
+# hybrid's dummy-weight logprobs move too little for the fault to show (bench/tq_spec_effect_cpu.py).
+TQSPEC_EQUAL = 0.004  # later tokens at most this far apart: equal (2 steps of the 35B's bf16 logit grid, 0.00195)
+TQSPEC_DIFFERS = 0.01  # at least this far apart (or another top-1, or top-20 overlap below 15): differ
+TQSPEC_PATCH = "turboquant-spec-decode"
+
+
+def tqspec_role(run: dict[str, Any]) -> str | None:
+    """'reference' (no MTP), 'off' (MTP, the patch disabled), 'on' (MTP, the patch on); with ' V2' when
+    the server asked for Model Runner V2; None for stock vLLM. (Whether the run really is TurboQuant on
+    the runner asked for, with drafts: tqspec_problems.)"""
+    args = run.get("vllm_args") or {}
+    if run.get("config") == "stock":
+        return None
+    disabled = TQSPEC_PATCH in (run.get("overlay_env") or {}).get("VLLM_OVERLAY_DISABLE", "").split(",")
+    role = "off" if args.get("mtp") and disabled else "on" if args.get("mtp") else "reference"
+    return role + (" V2" if runner_env(run) == "1" else "")
+
+
+def tqspec_problems(run: dict[str, Any], role: str) -> list[str]:
+    """Why a run does not test what its role says (empty: it does)."""
+    out = []
+    kv = (run.get("vllm_args") or {}).get("kv_cache_dtype")
+    if not str(kv).startswith("turboquant"):
+        out.append(f"KV cache {kv}, not TurboQuant")
+    want = "V2" if role.endswith("V2") else "V1"
+    built = (run.get("runner_evidence") or {}).get("built") or []
+    if built != [want]:
+        out.append(f"its workers built the {'/'.join(built) or 'unknown'} model runner, {want} asked for")
+    lp = (run.get("logprobs") or {}).get("lp")
+    if run.get("healthy_after_s") is None:
+        out.append("it never served (" + (run.get("failure_class") or "see its log") + ")")
+    elif not lp:
+        out.append("no logprobs")
+    statuses = [(p.get("patches") or {}).get(TQSPEC_PATCH) for p in run.get("processes") or [] if p.get("runner")]
+    counters = ((lp or {}).get("overlay") or {}).get("counters") or {}
+    if role.startswith(("on", "off")):
+        if lp and not (lp.get("spec_decode") or {}).get("drafts"):
+            out.append("no drafts during its logprobs (no verify step ran)")
+        if (run.get("vllm_args") or {}).get("spec_method") not in NEXTN_METHODS:
+            out.append(f"drafter {(run.get('vllm_args') or {}).get('spec_method')}, not the model's MTP layer")
+    if role.startswith("on"):
+        if "applied" not in statuses:
+            out.append(f"{TQSPEC_PATCH} applied in no worker ({statuses or 'no worker report'})")
+        elif lp and not counters.get("tq_verify_as_decode_batches"):
+            out.append("no verify batch went to the overlay's kernel during its logprobs")
+    if role.startswith("off") and "applied" in statuses:
+        out.append(f"{TQSPEC_PATCH} applied although disabled")
+    return out
+
+
+def tqspec_judge(c: dict[str, Any] | None) -> tuple[str, str]:
+    """('equal' | 'differs' | 'unclear' | 'not comparable', why) for one run's logprobs against the reference."""
+    if c is None:
+        return "not comparable", "no comparison (a run without logprobs)"
+    if c.get("error"):
+        return "not comparable", c["error"]
+    f, lt = c["first_token"], c["later_tokens"]
+    errors = sum(1 for p in c["per_prompt"] if p.get("error"))
+    if errors:
+        return "not comparable", f"{errors} of {c['prompts']} prompts answered with an error"
+    if f["top1_equal"] < f["positions"] or (f["max_abs_diff"] or 0) > TQSPEC_EQUAL:
+        return "not comparable", (f"the first tokens (from the prefill, before any verify step) differ (top-1 equal "
+                                  f"{f['top1_equal']}/{f['positions']}, max |diff| {f['max_abs_diff']}): the two "
+                                  "servers differ in more than the verify path")
+    if not lt["positions"]:
+        return "not comparable", "no later tokens (ask for more than one)"
+    why = (f"later tokens: {lt['positions']} positions, top-1 equal {lt['top1_equal']}, top-{c['k']} overlap >= "
+           f"{lt['min_overlap']}, max |diff| {lt['max_abs_diff']:.3g}, same tokens on {c['same_tokens']}/{c['prompts']} "
+           "prompts")
+    if (lt["top1_equal"] < lt["positions"] or c["same_tokens"] < c["prompts"]
+            or lt["max_abs_diff"] >= TQSPEC_DIFFERS or lt["min_overlap"] < 15):
+        return "differs", why
+    if lt["max_abs_diff"] <= TQSPEC_EQUAL and lt["min_overlap"] >= 18:
+        return "equal", why
+    return "unclear", why
+
+
+def tqspec_verdict(runs: dict[str, dict[str, Any]], pairs: dict[str, Any]) -> list[str]:
+    """Lines: each MTP run against the TurboQuant run without MTP (same runner's reference preferred, else
+    V1's), what each run failed to test, and the conclusion for the README's claim and the patch."""
+    roles: dict[str, str] = {}
+    for name, r in runs.items():
+        role = tqspec_role(r)
+        if role and role not in roles:
+            roles[role] = name
+    if not any(r.startswith(("on", "off")) for r in roles):
+        return []
+    out, state = [], {}
+    for role in ("reference", "reference V2", "off", "on", "off V2", "on V2"):
+        name = roles.get(role)
+        if name is None:
+            continue
+        problems = tqspec_problems(runs[name], role)
+        if problems:
+            out.append(f"{name} ({role}): NOT A TEST: {'; '.join(problems)}")
+        if role.startswith("reference"):
+            continue
+        ref = roles.get("reference" + (" V2" if role.endswith("V2") else "")) or roles.get("reference")
+        if ref is None:
+            state[role] = "no reference"
+            out.append(f"{name} ({role}): no TurboQuant run without MTP to compare with")
+            continue
+        if runs[name].get("healthy_after_s") is None:
+            state[role] = "died at boot"
+            out.append(f"{name} ({role}): died at boot: {runs[name].get('failure_class') or '-'}; "
+                       f"{'; '.join((runs[name].get('first_error_lines') or [])[:2])}")
+            continue
+        c = pairs.get(f"{name} vs {ref} (lp)")
+        verdict, why = tqspec_judge(c)
+        if problems or tqspec_problems(runs[ref], tqspec_role(runs[ref]) or "reference"):
+            verdict, why = "not a test", f"the comparison alone: {verdict}; {why}"
+        state[role] = verdict
+        out.append(f"{name} vs {ref}: {verdict.upper()} ({why})")
+    off, on = state.get("off"), state.get("on")
+    if on == "differs" or state.get("on V2") == "differs":
+        out.append(f"conclusion: the PATCH GIVES OTHER LOGITS than TurboQuant without MTP on this release "
+                   f"({', '.join(k for k, v in state.items() if k.startswith('on') and v == 'differs')}): "
+                   f"keep {TQSPEC_PATCH} off here (VLLM_OVERLAY_DISABLE={TQSPEC_PATCH}) until that is understood")
+    elif off == "differs" and on == "equal":
+        out.append("conclusion: CONFIRMED: stock vLLM's verify steps on TurboQuant give other logits than no MTP, "
+                   "with no error; the patch's match: the need read from the sources holds on this release")
+    elif off == "died at boot" and on == "equal":
+        out.append("conclusion: CONFIRMED DIFFERENTLY: stock vLLM with MTP on TurboQuant dies at boot on this release "
+                   "(as on 0.20.x), not silently wrong; the patch serves and matches: revise the README's wording for "
+                   "this release")
+    elif off == "equal" and on == "equal":
+        out.append("conclusion: REFUTED: stock vLLM's verify steps match no MTP on this release: the source reading "
+                   "(replays attend to the new tokens only) is wrong here; revise the README section 'TurboQuant with "
+                   f"speculative decoding' and {TQSPEC_PATCH}'s docstring and Support rows from 0.22.0")
+    else:
+        out.append(f"conclusion: none yet (stock path: {off or 'not run'}; the patch: {on or 'not run'})")
+    return out
+
+
 SERIES: dict[str, dict[str, Any]] = {
     "issue14": {
         "boot": "--config overlay --max-capture 128",
@@ -1129,6 +1291,21 @@ SERIES: dict[str, dict[str, Any]] = {
         "items": [("v2-overlay", "--config overlay", ("stress", "logprobs")),
                   ("v2-forced-guard", "--config forced-guard", ("guard",)),
                   ("v2-stock", "--config stock", ("logprobs",))],
+    },
+    "tqspec": {
+        "boot": "--config overlay --model qwen36-35b-a3b-slice8 --kv turboquant_k8v4 --max-capture 128",
+        # 16 greedy tokens: the first from the prefill, 15 from verify steps over a cached context of 16-8,000 tokens
+        "logprobs": "--prompts 6 --lengths 16,512,1024,2000,4000,8000 --max-tokens 16 --top 20 --out lp",
+        "stress": "--min-band 40 --duration 60",  # the patch's kernel among prefills, after its logprobs
+        "fallbacks": ("headroom",),  # a failed boot of the stock path is a finding, not retried
+        "compare": (("tq-mtp-off", "tq-nomtp", "lp"), ("tq-mtp-on", "tq-nomtp", "lp"),
+                    ("tq-mtp-on-v2", "tq-nomtp", "lp")),
+        "verdict": tqspec_verdict,
+        "items": [("tq-nomtp", "--mtp 0 --env VLLM_USE_V2_MODEL_RUNNER=0", ("logprobs",)),
+                  ("tq-mtp-off", f"--mtp 3 --env VLLM_USE_V2_MODEL_RUNNER=0 --overlay-env "
+                                 f"VLLM_OVERLAY_DISABLE={TQSPEC_PATCH}", ("logprobs",)),
+                  ("tq-mtp-on", "--mtp 3 --env VLLM_USE_V2_MODEL_RUNNER=0", ("logprobs", "stress")),
+                  ("tq-mtp-on-v2", "--mtp 3 --env VLLM_USE_V2_MODEL_RUNNER=1", ("logprobs",))],
     },
 }
 PHASES = ("steps", "stress", "logprobs", "guard")
@@ -1273,7 +1450,10 @@ def run_series_queue(name: str, items: list[tuple[str, list[str], tuple[str, ...
                     if t_end - time.time() < SERIES_RESERVE_S:
                         return
                     continue
-            if "stress" in phases and "stress_rc" not in mark:
+            logprobs_first = ("logprobs" in phases and "stress" in phases
+                              and phases.index("logprobs") < phases.index("stress")
+                              and opts["logprobs"] is not None and "logprobs_rc" not in mark)
+            if "stress" in phases and "stress_rc" not in mark and not logprobs_first:
                 if t_end - time.time() < opts["stress_s"] + SERIES_STRESS_EXTRA_S:
                     return  # a stress is not resumable: it starts in a call with room for all of it
                 rc = dispatch(["stress", label, *opts["stress"]])
@@ -1362,7 +1542,9 @@ def series_status(labels: list[str]) -> tuple[list[str], bool]:
 
 
 def series_compare(spec: dict[str, Any], labels: list[str]) -> None:
-    """The series' logprob comparisons whose two runs are on this machine (merge records them)."""
+    """The series' logprob comparisons whose two runs are on this machine (merge records them), then its
+    verdict over the labels on this machine."""
+    pairs: dict[str, Any] = {}
     for x, y, lp in spec.get("compare", ()):
         paths = [os.path.join(sdir(v), f"{lp}.json") for v in (x, y)]
         if x not in labels or y not in labels or not all(os.path.exists(p) for p in paths):
@@ -1371,7 +1553,13 @@ def series_compare(spec: dict[str, Any], labels: list[str]) -> None:
             c = sm.compare_logprobs(json.load(open(paths[0])), json.load(open(paths[1])))
             say(f"series: logprobs {x} vs {y} ({lp}): {sm.describe_comparison(c)}")
         except (ValueError, KeyError) as exc:
+            c = {"error": str(exc)}
             say(f"series: logprobs {x} vs {y} ({lp}): not comparable: {exc}")
+        pairs[f"{x} vs {y} ({lp})"] = c
+    if spec.get("verdict"):
+        runs = {label: summarize(label) for label in labels if series_state(label) is not None}
+        for line in spec["verdict"](runs, pairs):
+            say(f"series: verdict: {line}")
 
 
 def cmd_series(a: argparse.Namespace) -> int:

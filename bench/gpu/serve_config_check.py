@@ -6,7 +6,7 @@ VLLM_USE_V2_MODEL_RUNNER=1), then vLLM's engine config built from them after vLL
 overlay) loaded, as in the API server. One process per label.
 
   LD_LIBRARY_PATH=STUB_DIR PYTHONPATH=SCRATCH/site python bench/gpu/serve_config_check.py \
-      [--series issue13] [--labels v2-overlay,...]
+      [--series issue13|tqspec] [--labels v2-overlay,...]
 
 (the environment of bench/gpu/README.md's CPU rehearsal: a Python 3.12 like the H200 image's, vLLM
 0.26.0 and its wheels unpacked by device_install.sh with DEVICE_TMP set). What cannot run on CPU is
@@ -16,8 +16,8 @@ the engine config, where Model Runner V2 would otherwise be refused).
 
 Prints per label: whether the engine config builds, use_v2_model_runner, the model's architecture
 and hybrid flag, compilation mode, CUDA graph mode and capture sizes, max_num_batched_tokens,
-max_num_seqs, prefix caching, KV cache dtype, the GDN prefill backend, and the overlay's patch
-statuses in that process. Exit 1 when a label's config does not build or builds another model runner
+max_num_seqs, prefix caching, KV cache dtype and the layers it skips, the speculative method and
+tokens, the GDN prefill backend, and the overlay's patch statuses in that process. Exit 1 when a label's config does not build or builds another model runner
 than the series expects.
 """
 
@@ -67,6 +67,10 @@ def child(model: str, args: list[str]) -> dict[str, Any]:
            "max_num_seqs": cfg.scheduler_config.max_num_seqs, "max_model_len": cfg.model_config.max_model_len,
            "enable_prefix_caching": cfg.cache_config.enable_prefix_caching,
            "kv_cache_dtype": cfg.cache_config.cache_dtype,
+           "kv_cache_dtype_skip_layers": list(getattr(cfg.cache_config, "kv_cache_dtype_skip_layers", None) or []),
+           "speculative": None if cfg.speculative_config is None else {
+               "method": cfg.speculative_config.method,
+               "num_speculative_tokens": cfg.speculative_config.num_speculative_tokens},
            "gdn_prefill_backend": list(_resolve_gdn_prefill_backend(cfg)),
            "VLLM_USE_V2_MODEL_RUNNER": os.environ.get("VLLM_USE_V2_MODEL_RUNNER")}
     try:

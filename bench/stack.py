@@ -931,6 +931,8 @@ def summarize(label: str) -> dict:
         if found:
             s[key] = found if len(found) > 1 else found[0]
     s["kv_cache_lines"] = [ln.strip()[-200:] for ln in text.splitlines() if "KV cache size" in ln][:8]
+    # the CUDA graphs vLLM captured, as its progress bars name them ("(decode, FULL)" on V1: verify batches)
+    s["graph_captures"] = sorted(set(re.findall(r"Capturing CUDA graphs[^:\r\n(]*\([^)\r\n]*\)", text)))
     s["overlay_summary_lines"] = [ln.strip()[-400:] for ln in text.splitlines() if "[vllm-overlay] pid" in ln][-12:]
     s["first_error_lines"] = [ln.strip()[-400:] for ln in text.splitlines()
                               if re.search(r"Error|Traceback|CapacityError|illegal memory|setStorage", ln)][:25]
@@ -1243,6 +1245,10 @@ def tqspec_verdict(runs: dict[str, dict[str, Any]], pairs: dict[str, Any]) -> li
             continue
         c = pairs.get(f"{name} vs {ref} (lp)")
         verdict, why = tqspec_judge(c)
+        graphs = runs[name].get("graph_captures")
+        if graphs is not None:
+            why += "; " + (", ".join(g.removeprefix("Capturing CUDA graphs ") for g in graphs) or "no CUDA graph")
+            why += " captured"
         if problems or tqspec_problems(runs[ref], tqspec_role(runs[ref]) or "reference"):
             verdict, why = "not a test", f"the comparison alone: {verdict}; {why}"
         state[role] = verdict
@@ -1296,7 +1302,7 @@ SERIES: dict[str, dict[str, Any]] = {
         "boot": "--config overlay --model qwen36-35b-a3b-slice8 --kv turboquant_k8v4 --max-capture 128",
         # 16 greedy tokens: the first from the prefill, 15 from verify steps over a cached context of 16-8,000 tokens
         "logprobs": "--prompts 6 --lengths 16,512,1024,2000,4000,8000 --max-tokens 16 --top 20 --out lp",
-        "stress": "--min-band 40 --duration 60",  # the patch's kernel among prefills, after its logprobs
+        "stress": "--min-band 20 --duration 45",  # the patch's kernel among prefills, after its logprobs
         "fallbacks": ("headroom",),  # a failed boot of the stock path is a finding, not retried
         "compare": (("tq-mtp-off", "tq-nomtp", "lp"), ("tq-mtp-on", "tq-nomtp", "lp"),
                     ("tq-mtp-on-v2", "tq-nomtp", "lp")),

@@ -777,3 +777,300 @@ def test_serve_config_check_starts() -> None:
     p = subprocess.run([sys.executable, os.path.join(BENCH, "gpu", "serve_config_check.py"), "--help"],
                        capture_output=True, text=True, timeout=60, check=False)
     assert p.returncode == 0 and "issue13" in p.stdout, p.stderr
+
+
+# ---- TurboQuant + MTP on vLLM 0.26.0: series tqspec (bench/tq_spec_026_plan.md) ------------------------
+
+
+def test_the_tqspec_series_is_what_the_plan_says() -> None:
+    spec = stack.SERIES["tqspec"]
+    items = stack.series_items(spec)
+    assert [(x, p) for x, _, p in items] == [("tq-nomtp", ("logprobs",)), ("tq-mtp-off", ("logprobs",)),
+                                             ("tq-mtp-on", ("logprobs", "stress")), ("tq-mtp-on-v2", ("logprobs",))]
+    for label, boot, _ in items:
+        b = parse(["boot", label, *shlex.split(spec["boot"]), *shlex.split(boot)])
+        assert (b.config, b.model, b.kv, b.max_capture, b.mnbt) == (
+            "overlay", "qwen36-35b-a3b-slice8", "turboquant_k8v4", 128, 8192)
+        assert b.mtp == (0 if label == "tq-nomtp" else 3) and b.spec_method == "qwen3_next_mtp"
+        assert b.env == f"VLLM_USE_V2_MODEL_RUNNER={1 if label.endswith('v2') else 0}"
+        args = stack.serve_args(b)
+        assert args[args.index("--kv-cache-dtype") + 1] == "turboquant_k8v4"
+        assert ("--speculative-config" in args) == (b.mtp > 0)
+        env = stack.server_env(b.config, b.overlay_env, b.env, None, "/r")
+        assert (env.get("VLLM_OVERLAY_DISABLE") == "turboquant-spec-decode") == (label == "tq-mtp-off")
+    # the model: the 35B geometry's first 8 layers, two of them full attention with the 35B's heads
+    slice8 = json.load(open(os.path.join(BENCH, "models", "qwen36-35b-a3b-slice8.json")))
+    full = json.load(open(os.path.join(BENCH, "models", "qwen36-35b-a3b-geometry.json")))
+    assert slice8["num_hidden_layers"] == 8 and slice8["layer_types"] == full["layer_types"][:8]
+    assert slice8["layer_types"].count("full_attention") == 2
+    assert {k: v for k, v in slice8.items() if k not in ("num_hidden_layers", "layer_types")} == \
+        {k: v for k, v in full.items() if k not in ("num_hidden_layers", "layer_types")}
+    lp = parse(["logprobs", "x", *shlex.split(spec["logprobs"])])
+    assert (lp.prompts, lp.lengths, lp.max_tokens, lp.top, lp.out) == (6, "16,512,1024,2000,4000,8000", 16, 20, "lp")
+    s = parse(["stress", "x", *shlex.split(spec["stress"])])
+    assert (s.min_band, s.duration) == (20, 45)
+    assert spec["fallbacks"] == ("headroom",) and "expect_runner" not in spec
+    assert [(x, y) for x, y, _ in spec["compare"]] == [("tq-mtp-off", "tq-nomtp"), ("tq-mtp-on", "tq-nomtp"),
+                                                      ("tq-mtp-on-v2", "tq-nomtp")]
+
+
+def tq_run(label: str, *, mtp: int = 3, disabled: bool = False, v2: bool = False, kv: str = "turboquant_k8v4",
+           built: str | None = None, drafts: float = 45.0, verify: int = 180, status: str | None = None,
+           healthy: bool = True, lp: dict | None = None) -> dict:  # type: ignore[type-arg]
+    """A merged run of series tqspec as merge holds it (fields as stack.summarize writes them)."""
+    st = status or ("off" if disabled else "applied")
+    return {"config": "overlay", "series": {"series": "tqspec"},
+            "vllm_args": {"kv_cache_dtype": kv, "mtp": mtp, "spec_method": "qwen3_next_mtp" if mtp else None},
+            "overlay_env": {"VLLM_OVERLAY_DISABLE": "turboquant-spec-decode"} if disabled else {},
+            "vllm_env": {"VLLM_USE_V2_MODEL_RUNNER": "1" if v2 else "0"},
+            "healthy_after_s": 150.0 if healthy else None, "failure_class": None if healthy else "other",
+            "first_error_lines": [] if healthy else ["RuntimeError: Cannot copy between CPU and CUDA tensors"],
+            "runner_evidence": {"built": [built or ("V2" if v2 else "V1")]},
+            "processes": [{"role": "api server", "runner": None, "patches": {"turboquant-spec-decode": "armed"}},
+                          {"role": "engine core + worker rank 0", "runner": {"kind": "V2" if v2 else "V1"},
+                           "patches": {"turboquant-spec-decode": st}}],
+            "graph_captures": ["Capturing CUDA graphs (decode, FULL)",
+                               "Capturing CUDA graphs (mixed prefill-decode, PIECEWISE)"],
+            "logprobs": {} if not healthy else {"lp": {**(lp or {}),
+                                                       "spec_decode": {"drafts": drafts if mtp else 0.0},
+                                                       "overlay": {"counters": {"tq_verify_as_decode_batches": verify}
+                                                                   if mtp and not disabled else {}}}}}
+
+
+def shifted_lp(later: float, first: float = 0.0, prompts: int = 2, top1_at: int | None = None) -> dict:  # type: ignore[type-arg]
+    """Logprobs of `prompts` prompts x 4 tokens; later positions moved down by `later` on the odd ids."""
+    base = {str(i): -11.0 - 0.02 * i for i in range(22)}
+    moved = {k: v - (later if int(k) % 2 else 0.0) for k, v in base.items()}
+    if top1_at is not None:
+        moved["5"] = -10.0
+    firsts = {k: v - (first if int(k) % 2 else 0.0) for k, v in base.items()}
+    tokens = [[0, 0, 0, 0] for _ in range(prompts)]
+    return lp_run([[firsts, moved, moved, moved] for _ in range(prompts)], tokens)
+
+
+def verdict_of(runs: dict) -> list[str]:  # type: ignore[type-arg]
+    ref = runs["tq-nomtp"]["logprobs"]["lp"]
+    pairs = {f"{x} vs tq-nomtp (lp)": sm.compare_logprobs(runs[x]["logprobs"]["lp"], ref)
+             for x in runs if x != "tq-nomtp" and runs[x]["logprobs"]}
+    return stack.tqspec_verdict(runs, pairs)
+
+
+def test_tqspec_verdict_names_what_the_runs_show() -> None:
+    ref = tq_run("tq-nomtp", mtp=0, verify=0, lp=shifted_lp(0.0))
+    # the stock path moves the later tokens by 0.05 (the CPU simulation of the fault: 0.031-0.062), the patch's
+    # by one step of the 35B's bf16 grid: confirmed
+    runs = {"tq-nomtp": ref, "tq-mtp-off": tq_run("tq-mtp-off", disabled=True, lp=shifted_lp(0.05)),
+            "tq-mtp-on": tq_run("tq-mtp-on", lp=shifted_lp(0.00195))}
+    lines = verdict_of(runs)
+    assert lines[0].startswith("tq-mtp-off vs tq-nomtp: DIFFERS (later tokens: 6 positions, top-1 equal 6, top-20 "
+                               "overlap >= 19, max |diff| 0.05, same tokens on 2/2 prompts; (decode, FULL), "
+                               "(mixed prefill-decode, PIECEWISE) captured)"), lines
+    assert lines[1].startswith("tq-mtp-on vs tq-nomtp: EQUAL (") and "max |diff| 0.00195" in lines[1]
+    assert lines[-1].startswith("conclusion: CONFIRMED: stock vLLM's verify steps on TurboQuant give other logits")
+    # both match: the source reading is refuted, and the plan's revision named
+    runs["tq-mtp-off"] = tq_run("tq-mtp-off", disabled=True, lp=shifted_lp(0.0))
+    last = verdict_of(runs)[-1]
+    assert last.startswith("conclusion: REFUTED") and "Support rows from 0.22.0" in last
+    # the patch moves them (another top-1): the patch is wrong, whatever the stock path did
+    runs["tq-mtp-on"] = tq_run("tq-mtp-on", lp=shifted_lp(0.0, top1_at=1))
+    lines = verdict_of(runs)
+    assert lines[1].startswith("tq-mtp-on vs tq-nomtp: DIFFERS") and "PATCH GIVES OTHER LOGITS" in lines[-1]
+    # the stock path dies at boot (as on 0.20.x), the patch matches
+    runs["tq-mtp-on"] = tq_run("tq-mtp-on", lp=shifted_lp(0.0))
+    runs["tq-mtp-off"] = tq_run("tq-mtp-off", disabled=True, healthy=False)
+    lines = verdict_of(runs)
+    assert any(ln.startswith("tq-mtp-off (off): died at boot: other; RuntimeError: Cannot copy") for ln in lines)
+    assert lines[-1].startswith("conclusion: CONFIRMED DIFFERENTLY")
+    # between the two thresholds: unclear; the first token (the prefill) differing: not comparable
+    runs["tq-mtp-off"] = tq_run("tq-mtp-off", disabled=True, lp=shifted_lp(0.006))
+    assert verdict_of(runs)[0].startswith("tq-mtp-off vs tq-nomtp: UNCLEAR")
+    assert verdict_of(runs)[-1] == "conclusion: none yet (stock path: unclear; the patch: equal)"
+    runs["tq-mtp-off"] = tq_run("tq-mtp-off", disabled=True, lp=shifted_lp(0.05, first=0.05))
+    assert verdict_of(runs)[0].startswith("tq-mtp-off vs tq-nomtp: NOT COMPARABLE (the first tokens (from the "
+                                          "prefill, before any verify step) differ")
+
+
+def test_tqspec_verdict_says_when_a_run_tests_nothing() -> None:
+    ref = tq_run("tq-nomtp", mtp=0, verify=0, lp=shifted_lp(0.0))
+    runs = {"tq-nomtp": ref, "tq-mtp-off": tq_run("tq-mtp-off", disabled=True, drafts=0, lp=shifted_lp(0.05)),
+            "tq-mtp-on": tq_run("tq-mtp-on", verify=0, lp=shifted_lp(0.0)),
+            "tq-mtp-on-v2": tq_run("tq-mtp-on-v2", v2=True, built="V1", lp=shifted_lp(0.0))}
+    lines = verdict_of(runs)
+    assert "tq-mtp-off (off): NOT A TEST: no drafts during its logprobs (no verify step ran)" in lines
+    assert "tq-mtp-on (on): NOT A TEST: no verify batch went to the overlay's kernel during its logprobs" in lines
+    assert ("tq-mtp-on-v2 (on V2): NOT A TEST: its workers built the V1 model runner, V2 asked for") in lines
+    assert any(ln.startswith("tq-mtp-off vs tq-nomtp: NOT A TEST (the comparison alone: differs; later tokens")
+               for ln in lines)
+    assert lines[-1] == "conclusion: none yet (stock path: not a test; the patch: not a test)"
+    cpu = {"tq-nomtp": tq_run("tq-nomtp", mtp=0, kv="auto", lp=shifted_lp(0.0)),
+           "tq-mtp-on": tq_run("tq-mtp-on", kv="auto", status="not-needed", lp=shifted_lp(0.0))}
+    lines = verdict_of(cpu)
+    assert lines[0] == "tq-nomtp (reference): NOT A TEST: KV cache auto, not TurboQuant"
+    assert lines[1].startswith("tq-mtp-on (on): NOT A TEST: KV cache auto, not TurboQuant; turboquant-spec-decode "
+                               "applied in no worker (['not-needed'])")
+    # runs of other series (issue 14's tq-mtp and tq-nomtp) are no business of this verdict in merge
+    assert stack.tqspec_verdict({"tq-nomtp": {**ref, "series": {}}}, {}) == []
+
+
+def test_merge_prints_the_tqspec_verdict_for_the_series_runs_only(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    runs = {"tq-nomtp": tq_run("tq-nomtp", mtp=0, verify=0, lp=shifted_lp(0.0)),
+            "tq-mtp-off": tq_run("tq-mtp-off", disabled=True, lp=shifted_lp(0.05)),
+            "tq-mtp-on": tq_run("tq-mtp-on", lp=shifted_lp(0.0))}
+    paths = []
+    for name, r in runs.items():
+        lp = r.pop("logprobs")["lp"]
+        b = {"label": name, "written_utc": "2026-12-02T10:00:00Z", "summary": r,
+             "files": {"lp.json": {"kind": "logprobs", **lp}, "state.json": {}}, "reports": [],
+             "logs": {"serve.log": "INFO x\n"}}
+        (tmp_path / f"{name}.json").write_text(json.dumps(b))
+        paths.append(f"{name}={tmp_path / (name + '.json')}")
+    out = tmp_path / "merged.json"
+    assert stack.main(["merge", str(out), *paths, "--note", "test"]) == 0
+    text = capsys.readouterr().out
+    assert "logprobs tq-mtp-off vs tq-nomtp (lp): first token" in text
+    assert "logprobs tq-mtp-on vs tq-nomtp (lp): first token" in text
+    assert "verdict (tqspec): tq-mtp-off vs tq-nomtp: DIFFERS" in text
+    assert "verdict (tqspec): conclusion: CONFIRMED" in text
+    res = json.load(open(out))
+    assert res["verdicts"]["tqspec"][-1].startswith("conclusion: CONFIRMED")
+    page = "\n".join(make_table.stack_section([str(out)]))
+    assert "Verdict of `bench/stack.py series tqspec` (from the merged runs):" in page
+    assert "- conclusion: CONFIRMED: stock vLLM's verify steps" in page
+    # the same runs without the series' mark (e.g. issue 14's): no verdict
+    for name in runs:
+        b = json.load(open(tmp_path / f"{name}.json"))
+        b["summary"]["series"] = {"series": "issue14"}
+        (tmp_path / f"{name}.json").write_text(json.dumps(b))
+    assert stack.main(["merge", str(out), *paths]) == 0
+    assert "verdict" not in capsys.readouterr().out and "verdicts" not in json.load(open(out))
+
+
+def test_series_runs_an_items_logprobs_before_its_stress(tmp_path, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    """tq-mtp-on names logprobs before stress: its logprobs run first, and a call with room for them but not
+    for the stress (45 s + 90 s) says NOT DONE after them; the next call runs the stress, then stops. The
+    server is a sleeping process and the steps are recorded instead of run (no TurboQuant, no MTP on CPU:
+    the real CPU server's course is test_tqspec_series_on_a_real_cpu_server)."""
+    monkeypatch.setattr(stack, "STATE", str(tmp_path / "state"))
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    monkeypatch.setattr(stack, "REFUSED", {})
+    monkeypatch.setattr(stack, "ABORTED", {})
+    server = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    calls: list[list[str]] = []
+
+    def fake_dispatch(argv: list[str]) -> int:
+        calls.append(argv)
+        if argv[0] == "stop":
+            server.kill()
+            server.wait()
+        return 0
+
+    monkeypatch.setattr(stack, "dispatch", fake_dispatch)
+    try:
+        d = tmp_path / "state" / "tq-mtp-on"
+        os.makedirs(d / "reports")
+        (d / "serve.log").write_text("INFO started\n")
+        stack.save_state("tq-mtp-on", {"label": "tq-mtp-on", "pid": server.pid, "port": 1, "config": "overlay",
+                                       "started": 0, "healthy_after_s": 1.0, "vllm_args": {},
+                                       "series": {"series": "tqspec"}})
+        rc = stack.main(["series", "tqspec", "--labels", "tq-mtp-on", "--deadline", "100"])
+        assert rc == 10 and [c[0] for c in calls] == ["logprobs"], calls
+        assert calls[0][1:] == ["tq-mtp-on", *shlex.split(stack.SERIES["tqspec"]["logprobs"])]
+        assert "NOT DONE" in capsys.readouterr().out
+        assert stack.load_state("tq-mtp-on")["series"]["logprobs_rc"] == 0 and "stress_rc" not in \
+            stack.load_state("tq-mtp-on")["series"]
+        rc = stack.main(["series", "tqspec", "--labels", "tq-mtp-on", "--deadline", "200"])
+        assert rc == 0 and [c[0] for c in calls] == ["logprobs", "stress", "stop"], calls
+        mark = stack.load_state("tq-mtp-on")["series"]
+        assert mark["done"] and mark["stress_rc"] == 0 and mark["logprobs_rc"] == 0
+        assert "series tqspec: all done" in capsys.readouterr().out
+    finally:
+        if server.poll() is None:
+            server.kill()
+
+
+@pytest.mark.engine
+def test_tqspec_series_on_a_real_cpu_server(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`series tqspec` through `vllm serve` of the tiny hybrid on the CPU build, which has neither
+    TurboQuant nor an MTP drafter nor Model Runner V2: bf16 KV (--kv auto) and ngram drafts stand in.
+    The three V1 labels serve and answer logprobs (tq-mtp-on's before its stress, which passes and records
+    the drafts and the overlay's counters it saw), tq-mtp-off's servers have turboquant-spec-decode off;
+    the V2 label stops at config time ("Model Runner V2 requires Triton") and is not booted again. The
+    series prints both comparisons against tq-nomtp and a verdict that tests nothing here (not
+    TurboQuant, ngram drafts, the V2 label never served); merge and the BENCHMARKS table carry it."""
+    state, out = str(tmp_path / "state"), str(tmp_path / "out")
+    env = clean_env(STACK_STATE_DIR=state, OUT=out, PYTHONPATH=os.path.join(ROOT, "src"))
+    labels = ("tq-nomtp", "tq-mtp-off", "tq-mtp-on", "tq-mtp-on-v2")
+    cmd = [sys.executable, os.path.join(BENCH, "stack.py"), "series", "tqspec", "--compact",
+           "--base-port", str(free_port_block(5)), "--boot-extra", f"--kv auto --spec-method ngram {CPU_BOOT}",
+           "--stress", "--min-band 3 --duration 60", "--logprobs", "--prompts 3 --lengths 16,600,5000 --max-tokens 8 "
+           "--out lp", "--deadline", "900"]
+    try:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
+    finally:
+        stop_all(env, labels, state)
+    log = p.stdout[-9000:] + p.stderr[-3000:]
+    assert p.returncode == 0 and "series tqspec: all done" in p.stdout, log
+    for label in labels[:3]:
+        assert f"series tqspec: {label}: done; healthy after" in p.stdout, log
+    assert "series tqspec: tq-mtp-on-v2: FAILED: boot failed" in p.stdout and "booting again" not in p.stdout, log
+    assert p.stdout.index("tq-mtp-on: logprobs prompt 0") < p.stdout.index("tq-mtp-on: stress for at most"), log
+    for x in ("tq-mtp-off", "tq-mtp-on"):
+        assert re.search(rf"series: logprobs {x} vs tq-nomtp \(lp\): first token, 3 prompts: top-1 equal 3/3",
+                         p.stdout), log
+    assert "series: verdict: tq-nomtp (reference): NOT A TEST: KV cache auto, not TurboQuant" in p.stdout, log
+    assert "series: verdict: tq-mtp-on-v2 (on V2): died at boot" in p.stdout, log
+    assert "series: verdict: conclusion: none yet (stock path: not a test; the patch: not a test)" in p.stdout, log
+    bundles = {x: json.load(open(os.path.join(out, f"{x}.json"))) for x in labels}
+    assert "Model Runner V2 requires Triton" in bundles["tq-mtp-on-v2"]["logs"]["serve.log"]
+    off = bundles["tq-mtp-off"]["summary"]
+    assert off["overlay_env"]["VLLM_OVERLAY_DISABLE"] == "turboquant-spec-decode"
+    assert {p["patches"]["turboquant-spec-decode"] for p in off["processes"]} == {"off"}
+    on = bundles["tq-mtp-on"]
+    stress = on["summary"]["stress_runs"][0]
+    assert on["summary"]["stress"]["verdict"] == "PASSED" and stress["spec_decode"]["drafts"] > 0
+    assert stress["overlay"]["forwards"] > 0 and stress["overlay"]["counters"]["guard_checks"] > 0
+    lp = on["files"]["lp.json"]
+    assert lp["spec_decode"]["drafts"] > 0 and lp["overlay"]["forwards"] > 0
+    assert all(len(x["positions"]) == 8 for x in lp["prompts"])
+    result = tmp_path / "merged.json"
+    assert stack.main(["merge", str(result), *(f"{x}={out}/{x}.json" for x in labels), "--note", "CPU test"]) == 0
+    res = json.load(open(result))
+    assert {"tq-mtp-off vs tq-nomtp (lp)", "tq-mtp-on vs tq-nomtp (lp)"} <= set(res["logprobs_compare"])
+    assert res["verdicts"]["tqspec"][-1] == "conclusion: none yet (stock path: not a test; the patch: not a test)"
+    page = "\n".join(make_table.stack_section([str(result)]))
+    assert "- tq-mtp-off (off): NOT A TEST: KV cache auto, not TurboQuant; drafter ngram" in page
+
+
+TQSPEC_PLAN = os.path.join(BENCH, "tq_spec_026_plan.md")
+
+
+def test_the_tqspec_plan_runs_as_written() -> None:
+    """bench/tq_spec_026_plan.md: every device command fits a call (2,000 characters, one line) and each
+    `stack.py` in it parses as `series tqspec --compact` with the series' labels; staging goes through
+    bench/v2_plan.md's device_install.sh; the merge names the series' labels in its order; the plan states
+    the verdict's thresholds as stack.py has them."""
+    text = open(TQSPEC_PLAN).read()
+    blocks = re.findall(r"```\n(.*?)\n```", text, re.S)
+    device = [b for b in blocks if "series tqspec" in b]
+    assert len(device) == 4
+    known = [x for x, _, _ in stack.series_items(stack.SERIES["tqspec"])]
+    for cmd in device:
+        assert len(cmd) <= 2000 and "\n" not in cmd
+        found = re.findall(r"python3 bench/stack.py ([^;&|>]*)", re.sub(r"\$\(\([^)]*\)\)", "500", cmd))
+        assert found
+        for rest in found:
+            a = parse(shlex.split(rest))
+            assert a.step == "series" and a.name == "tqspec" and a.compact and a.deadline in (570, 500)
+            assert set(filter(None, a.labels.split(","))) <= set(known)
+    assert "bash bench/gpu/device_install.sh 0.26.0" in next(b for b in device if "SECONDS" in b)
+    merge = next(b for b in blocks if "merge" in b).splitlines()[0]
+    m = parse(shlex.split(merge)[2:])
+    assert m.step == "merge" and m.result == "bench/results/stack-tqspec-026-h200.json"
+    assert [r.split("=")[0] for r in m.runs] == known
+    assert f"max |diff| <= {stack.TQSPEC_EQUAL}" in text and f">= {stack.TQSPEC_DIFFERS}" in text
+    for name in ("bench/tq_spec_effect_cpu.py", "bench/models/qwen36-35b-a3b-slice8.json",
+                 "bench/results/bench-tiny-overlay-mnbt8192-k8v4-cap4096.json",
+                 "bench/results/stack-issue14-steps-h200.json"):
+        assert name in text and os.path.isfile(os.path.join(ROOT, name)), name
+    assert "tq_spec_026_plan.md" in open(V2_PLAN).read()
+    assert "tq_spec_026_plan.md" in open(os.path.join(BENCH, "gpu", "README.md")).read()

@@ -494,15 +494,23 @@ def log_number(label: str, pattern: str) -> float | None:
     return float(found[-1].replace(",", "")) if found else None
 
 
+def overlay_reports(d: str) -> list[dict[str, Any]]:
+    """The overlay's report files in D/reports (one per process), by file name; a file being written or
+    replaced at that moment is left out (the next read has it)."""
+    out = []
+    for path in sorted(glob.glob(os.path.join(d, "reports", "overlay-*.json"))):
+        try:
+            out.append(json.load(open(path)))
+        except Exception:  # noqa: BLE001 - a report being written
+            continue
+    return out
+
+
 def overlay_totals(label: str) -> dict[str, Any]:
     """The overlay's counters and real forward sizes summed over this server's report files."""
     counters: dict[str, float] = {}
     sizes: dict[str, int] = {}
-    for path in glob.glob(os.path.join(sdir(label), "reports", "overlay-*.json")):
-        try:
-            r = json.load(open(path))
-        except Exception:  # noqa: BLE001 - a report being replaced
-            continue
+    for r in overlay_reports(sdir(label)):
         for k, v in (r.get("counters") or {}).items():
             counters[k] = counters.get(k, 0) + v
         tel = r.get("telemetry") if isinstance(r.get("telemetry"), dict) else {}
@@ -867,11 +875,7 @@ def runner_evidence(d: str, log_text: str) -> dict[str, Any]:
     guard checks and trips. Then one flag per question: built (the kinds built, or from the log),
     telemetry_fired, guard_fired, cap_fired, precapture_forward, hooks_missing, capacity_error."""
     workers = []
-    for path in sorted(glob.glob(os.path.join(d, "reports", "overlay-*.json"))):
-        try:
-            r = json.load(open(path))
-        except Exception:  # noqa: BLE001 - a report being written
-            continue
+    for r in overlay_reports(d):
         if not (r.get("runner") or r.get("engine_config")):
             continue  # the API server: no runner
         hooks = {pid: rec["runner"] for pid, rec in (r.get("patches") or {}).items()
@@ -938,11 +942,7 @@ def summarize(label: str) -> dict:
                               if re.search(r"Error|Traceback|CapacityError|illegal memory|setStorage", ln)][:25]
     s["failure_class"] = classify(text)
     procs = []
-    for path in sorted(glob.glob(os.path.join(d, "reports", "overlay-*.json"))):
-        try:
-            r = json.load(open(path))
-        except Exception:  # noqa: BLE001 - a report being written
-            continue
+    for r in overlay_reports(d):
         statuses = {pid: rec.get("status") for pid, rec in (r.get("patches") or {}).items()}
         procs.append({"pid": r.get("pid"), "role": r.get("role"), "tp_rank": r.get("tp_rank"),
                       "runner": r.get("runner"), "counts": r.get("counts"), "patches": statuses,
@@ -972,12 +972,7 @@ def collect(label: str) -> None:
     d = sdir(label)
     s = summarize(label)
     if compact():
-        reports = []
-        for path in sorted(glob.glob(os.path.join(d, "reports", "overlay-*.json"))):
-            try:
-                reports.append(json.load(open(path)))
-            except Exception:  # noqa: BLE001 - being written
-                continue
+        reports = overlay_reports(d)
         stress = os.path.join(d, "stress", "stress.json")
         logs = {}
         for name, limit in (("serve.log", LOG_TAIL), ("stress.log", 20_000)):

@@ -738,6 +738,25 @@ def test_issue13_series_edges_on_cpu(tmp_path) -> None:  # type: ignore[no-untyp
     assert ev["built"] == ["V1"] and ev["guard_trips"] == 1 and ev["capacity_error"]
 
 
+def plan_series_calls(text: str, name: str, count: int) -> tuple[list[str], list[str]]:
+    """A device plan's code blocks, and the ``count`` blocks that run ``series NAME``: each fits a device
+    call (2,000 characters, one line) and each `stack.py` in it parses as `series NAME --compact` with
+    a deadline of 570 s (or the first call's remainder) and labels of that series."""
+    blocks = re.findall(r"```\n(.*?)\n```", text, re.S)
+    device = [b for b in blocks if f"series {name}" in b]
+    assert len(device) == count
+    known = {x for x, _, _ in stack.series_items(stack.SERIES[name])}
+    for cmd in device:
+        assert len(cmd) <= 2000 and "\n" not in cmd
+        found = re.findall(r"python3 bench/stack.py ([^;&|>]*)", re.sub(r"\$\(\([^)]*\)\)", "500", cmd))
+        assert found
+        for rest in found:
+            a = parse(shlex.split(rest))
+            assert a.step == "series" and a.name == name and a.compact and a.deadline in (570, 500)
+            assert set(filter(None, a.labels.split(","))) <= known
+    return blocks, device
+
+
 V2_PLAN = os.path.join(BENCH, "v2_plan.md")
 
 
@@ -746,18 +765,7 @@ def test_the_v2_plan_runs_as_written() -> None:
     `stack.py` in it parses as `series issue13 --compact`; the staging calls carry every part of
     .gpu/0.26.0 (MANIFEST first); the merge names the series' labels."""
     text = open(V2_PLAN).read()
-    blocks = re.findall(r"```\n(.*?)\n```", text, re.S)
-    device = [b for b in blocks if "series issue13" in b]
-    assert len(device) == 3
-    for cmd in device:
-        assert len(cmd) <= 2000 and "\n" not in cmd
-        found = re.findall(r"python3 bench/stack.py ([^;&|>]*)", re.sub(r"\$\(\([^)]*\)\)", "500", cmd))
-        assert found
-        for rest in found:
-            a = parse(shlex.split(rest))
-            assert a.step == "series" and a.name == "issue13" and a.compact and a.deadline in (570, 500)
-            known = {x for x, _, _ in stack.series_items(stack.SERIES["issue13"])}
-            assert set(filter(None, a.labels.split(","))) <= known
+    blocks, device = plan_series_calls(text, "issue13", 3)
     assert "bash bench/gpu/device_install.sh 0.26.0" in device[0] and os.path.isfile(
         os.path.join(BENCH, "gpu", "device_install.sh"))
     rows = [ln for ln in text.splitlines() if re.match(r"\| [1-5] \|", ln)]
@@ -1050,18 +1058,8 @@ def test_the_tqspec_plan_runs_as_written() -> None:
     bench/v2_plan.md's device_install.sh; the merge names the series' labels in its order; the plan states
     the verdict's thresholds as stack.py has them."""
     text = open(TQSPEC_PLAN).read()
-    blocks = re.findall(r"```\n(.*?)\n```", text, re.S)
-    device = [b for b in blocks if "series tqspec" in b]
-    assert len(device) == 4
+    blocks, device = plan_series_calls(text, "tqspec", 4)
     known = [x for x, _, _ in stack.series_items(stack.SERIES["tqspec"])]
-    for cmd in device:
-        assert len(cmd) <= 2000 and "\n" not in cmd
-        found = re.findall(r"python3 bench/stack.py ([^;&|>]*)", re.sub(r"\$\(\([^)]*\)\)", "500", cmd))
-        assert found
-        for rest in found:
-            a = parse(shlex.split(rest))
-            assert a.step == "series" and a.name == "tqspec" and a.compact and a.deadline in (570, 500)
-            assert set(filter(None, a.labels.split(","))) <= set(known)
     assert "bash bench/gpu/device_install.sh 0.26.0" in next(b for b in device if "SECONDS" in b)
     merge = next(b for b in blocks if "merge" in b).splitlines()[0]
     m = parse(shlex.split(merge)[2:])

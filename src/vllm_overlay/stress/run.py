@@ -16,7 +16,7 @@ from vllm_overlay.reports import load
 from vllm_overlay.stress import plan as planmod
 from vllm_overlay.stress.plot import forward_sizes_png
 from vllm_overlay.stress.verdict import BAD_USAGE, SLOW_FACTOR, Outcome, judge, sizes_delta
-from vllm_overlay.telemetry import merge_sizes
+from vllm_overlay.telemetry import in_band, merge_sizes
 
 
 @dataclass
@@ -58,7 +58,7 @@ def summary_rows(result: dict[str, Any]) -> list[list[str]]:
         ("requests ok", "requests_ok"), ("requests failed", "requests_failed"),
         ("generated tokens/s", "tokens_per_s"), ("p50 TTFT of band prefills (s)", "ttft_p50_s"),
         ("p99 TTFT of band prefills (s)", "ttft_p99_s"), ("warm-up wave, before the clock (s)", "warmup_s"),
-        ("timed waves", "waves_timed"), ("median wave (s)", "wave_s_median"), ("wall after warm-up (s)", "wall_s"),
+        ("timed waves", "waves_timed"), ("of them top-up waves", "waves_topup"), ("median wave (s)", "wave_s_median"), ("wall after warm-up (s)", "wall_s"),
     )]
 
 
@@ -172,8 +172,17 @@ def _execute(opts: Options, out: Out) -> dict[str, Any]:
         else:
             from vllm_overlay.stress import server
 
+            def band_count() -> int:
+                # band forwards since the warm-up, read as the verdict will read them
+                if first is not None:
+                    return metrics.scrape(base).band(lo, hi) - first.band(lo, hi)
+                now = merge_sizes(load(report_dir, since) if os.path.isdir(report_dir) else [])
+                return in_band(sizes_delta(before, now), lo, hi)
+
+            # --requests fixes the traffic; otherwise waves are added until the band is reached
+            topup = None if opts.requests is not None else server.TopUp(band_count, opts.min_band_forwards, tick.note)
             outcome = server.run(base, plan, opts.duration, opts.seed, tick,
-                                 alive=lambda: server.health_error(base), after_warmup=after_warmup)
+                                 alive=lambda: server.health_error(base), after_warmup=after_warmup, topup=topup)
     if first is None:
         reports = _read_reports(report_dir, since if not opts.model else None)
         sizes = sizes_delta(before, merge_sizes(reports))

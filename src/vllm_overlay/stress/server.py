@@ -9,6 +9,7 @@ import random
 import time
 import urllib.parse
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from vllm_overlay.stress.plan import Plan, UsageError
@@ -76,10 +77,15 @@ async def _completion(session: Any, base: str, model: str, ids: list[int], max_t
     return True
 
 
+TOPUP_FACTOR = 4  # top-up waves stop at this many times the planned waves
+FLUSH_S = 1.5  # the serving processes flush their telemetry every second
+
+
 async def _run(base: str, plan: Plan, duration_s: float | None, seed: int,
                progress: Callable[[int, int], None], out: Outcome,
                alive: Callable[[], str | None] | None,
-               after_warmup: Callable[[], None] | None) -> None:
+               after_warmup: Callable[[], None] | None,
+               topup: TopUp | None) -> None:
     import aiohttp
 
     rng = random.Random(seed)
@@ -120,21 +126,49 @@ async def _run(base: str, plan: Plan, duration_s: float | None, seed: int,
         out.wall_s = 0.0
         t0 = time.perf_counter()
         out.clock_start = t0
-        for w in range(plan.waves):
+        total = plan.waves
+        w = 0
+
+        def can_go_on() -> bool:
             if not all(done) or stop.is_set() or (duration_s is not None and time.perf_counter() - t0 > duration_s):
-                break
+                return False
             if alive is not None and (err := alive()):
                 out.engine_error = err
+                return False
+            return True
+
+        while True:
+            while w < total:
+                if not can_go_on():
+                    break
+                tw = time.perf_counter()
+                ids = [f"wave{w}-{j}" for j in range(plan.prefills_per_wave)]
+                done = await asyncio.gather(*[
+                    _completion(session, base, model, prompt(rng, plan.prompt_tokens, vocab),
+                                plan.prefill_out_tokens, rid, out, ttft) for rid in ids])
+                ok.extend(done)
+                wave_ids.extend(ids)
+                out.wave_s.append(time.perf_counter() - tw)
+                w += 1
+                progress(w, total)
+            # Over HTTP a wave's prefills can reach the engine in different steps (each request is
+            # tokenized and queued on its own), so a wave may land as several smaller forwards.
+            # The band count is read back from telemetry and short waves are made up for.
+            if topup is None or w < total or not can_go_on():
                 break
-            tw = time.perf_counter()
-            ids = [f"wave{w}-{j}" for j in range(plan.prefills_per_wave)]
-            done = await asyncio.gather(*[
-                _completion(session, base, model, prompt(rng, plan.prompt_tokens, vocab),
-                            plan.prefill_out_tokens, rid, out, ttft) for rid in ids])
-            ok.extend(done)
-            wave_ids.extend(ids)
-            out.wave_s.append(time.perf_counter() - tw)
-            progress(w + 1, plan.waves)
+            await asyncio.sleep(FLUSH_S)
+            got = await asyncio.get_running_loop().run_in_executor(None, topup.band_count)
+            limit = TOPUP_FACTOR * plan.waves
+            if got >= topup.min_band or total >= limit:
+                if got < topup.min_band:
+                    topup.note(f"top-up stopped: {got} band forward(s) of {topup.min_band} needed after "
+                               f"{total} waves, the limit ({TOPUP_FACTOR} x the {plan.waves} planned)")
+                break
+            more = min(limit - total, 2 * (topup.min_band - got))
+            topup.note(f"{got} band forward(s) so far, {topup.min_band} needed (a wave's prefills reached "
+                       f"the engine in different steps): {more} more waves")
+            out.topup_waves += more
+            total += more
         stop.set()
         await asyncio.gather(*workers)
         if alive is not None and out.engine_error is None and (err := alive()):
@@ -144,11 +178,20 @@ async def _run(base: str, plan: Plan, duration_s: float | None, seed: int,
         out.ttft_s = [ttft[r] for r in wave_ids if r in ttft]
 
 
+@dataclass(frozen=True)
+class TopUp:
+    """Waves are added after the planned ones while ``band_count()`` (band forwards of this run,
+    read from the server's telemetry) is below ``min_band``; ``note`` prints what is done."""
+    band_count: Callable[[], int]
+    min_band: int
+    note: Callable[[str], None]
+
+
 def run(base: str, plan: Plan, duration_s: float | None, seed: int,
         progress: Callable[[int, int], None], alive: Callable[[], str | None] | None = None,
-        after_warmup: Callable[[], None] | None = None) -> Outcome:
+        after_warmup: Callable[[], None] | None = None, topup: TopUp | None = None) -> Outcome:
     out = Outcome()
-    asyncio.run(_run(base, plan, duration_s, seed, progress, out, alive, after_warmup))
+    asyncio.run(_run(base, plan, duration_s, seed, progress, out, alive, after_warmup, topup))
     out.wall_s = time.perf_counter() - out.clock_start if out.clock_start is not None else 0.0
     if out.errors and not out.engine_error and out.requests_failed:
         out.engine_error = out.errors[0]

@@ -23,6 +23,7 @@ class Outcome:
     warmup_s: float | None = None  # the warm-up wave, before the clock (kernels compiled on first use)
     wave_s: list[float] = field(default_factory=list)  # each timed wave, in order
     clock_start: float | None = None  # perf_counter() when the timed waves began
+    topup_waves: int = 0  # server mode: waves added because too few forwards landed in the band
 
 
 SLOW_FACTOR = 3.0  # a wave slower than this many times the median is named in the output
@@ -84,6 +85,7 @@ def judge(lo: int, hi: int, min_band: int, sizes: dict[int, int], outcome: Outco
         "wall_s": round(outcome.wall_s, 3),
         "warmup_s": round(outcome.warmup_s, 3) if outcome.warmup_s is not None else None,
         "waves_timed": len(outcome.wave_s),
+        "waves_topup": outcome.topup_waves,
         "wave_s_median": percentile(outcome.wave_s, 50),
         "slow_waves": slow_waves(outcome.wave_s),
         "tokens_per_s": round(outcome.generated_tokens / outcome.wall_s, 2) if outcome.wall_s else None,

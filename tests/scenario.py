@@ -20,6 +20,33 @@ BUG_SHAPE = [2500, 2600, 2400] + [40] * 8  # the bug report: one step of 7820 to
 SHORT_SHAPE = [300, 40, 40]
 
 
+def own_report() -> dict:
+    """This process's overlay report (the engine core and its worker run here)."""
+    path = os.path.join(os.environ["VLLM_OVERLAY_REPORT_DIR"], f"overlay-{os.getpid()}.json")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {"patches": {}}
+
+
+def mark_window(seq: int, name: str, limit: float = 20.0) -> float:
+    """Write memory-headroom's mark file, then wait until the report shows window ``seq`` open (the
+    watch polls every 0.5 s, the report is flushed within a second); seconds waited."""
+    path = os.path.join(os.environ["VLLM_OVERLAY_REPORT_DIR"], "memory-window.json")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"seq": seq, "name": name}, f)
+    os.replace(tmp, path)
+    t0 = time.time()
+    while time.time() - t0 < limit:
+        rt = own_report()["patches"].get("memory-headroom", {}).get("runtime") or {}
+        if any(w.get("seq") == seq for w in rt.get("windows", [])):
+            return round(time.time() - t0, 2)
+        time.sleep(0.2)
+    raise RuntimeError(f"memory-headroom did not open window {seq} within {limit} s")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -33,6 +60,9 @@ def main() -> int:
                     help="speculative decoding with vLLM's ngram drafter and K speculative tokens")
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (worker processes on the CPU build)")
     ap.add_argument("--ep", action="store_true", help="enable_expert_parallel (experts split over the --tp ranks)")
+    ap.add_argument("--memory-windows", action="store_true",
+                    help="open a memory-headroom window around the generate call (the mark file in "
+                         "VLLM_OVERLAY_REPORT_DIR, acknowledged through the report) and keep its record")
     ap.add_argument("--first-mnbt", type=int, default=0,
                     help="first boot (and release) an engine with this max_num_batched_tokens in this process")
     # prefix caching puts hybrid models in mamba 'align' mode, which cuts prefills at block
@@ -86,7 +116,12 @@ def main() -> int:
         prompts = [{"prompt_token_ids": [rng.randrange(10, 4000) for _ in range(n)]} for n in lens]
         sp = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True, detokenize=False,
                             logprobs=1)
+        if args.memory_windows:
+            result["window_ack_s"] = [mark_window(1, "generate")]
         outs = llm.generate(prompts, sp, use_tqdm=False)
+        if args.memory_windows:
+            result["window_ack_s"].append(mark_window(2, "idle"))
+            result["runtime"] = own_report()["patches"]["memory-headroom"].get("runtime")
         result["token_ids"] = [list(o.outputs[0].token_ids) for o in outs]
         result["logprobs"] = [
             [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs

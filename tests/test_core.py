@@ -144,9 +144,10 @@ def test_apply_then_revert_restores_every_target(overlay) -> None:  # type: igno
     # (GPUModelRunner._dummy_run is wrapped by two patches and counts once), 5 on Model Runner V2
     # (__init__, execute_model, _dummy_run, prepare_inputs, capture_model), the worker's
     # execute_model (the runner patches' first-forward check), and memory-headroom's
-    # CPUWorker.determine_available_memory and GPUModelRunner.profile_run (not the CUDA Worker's
-    # determine_available_memory, a target for the CUDA build only)
-    assert len(changed) == 18, changed
+    # CPUWorker.determine_available_memory, GPUModelRunner.profile_run and initialize_kv_cache (not
+    # the CUDA Worker's determine_available_memory, a target for the CUDA build only)
+    assert len(changed) == 19, changed
+    assert "vllm.v1.worker.gpu_model_runner:GPUModelRunner.initialize_kv_cache" in changed
     assert "vllm.v1.worker.gpu_worker:Worker.determine_available_memory" not in changed
     report = json.load(open(os.path.join(overlay, f"overlay-{os.getpid()}.json")))
     assert report["patches"]["gdn-output-prealloc"]["status"] == "applied"

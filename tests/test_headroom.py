@@ -84,41 +84,75 @@ def test_the_line_names_every_field_and_keeps_identifiers_whole() -> None:
     assert {"profiled_peak", "measured_peak", "moved", "kv_tokens_before", "kv_tokens_after"} <= set(js)
 
 
-def names(shapes: list[headroom.Shape]) -> list[tuple[str, int, int]]:
-    return [(s.name, s.num_reqs, s.largest_request) for s in shapes]
+def names(shapes: list[headroom.Shape]) -> list[tuple[str, int, int, int | None]]:
+    return [(s.name, s.num_reqs, s.largest_request, s.seq_len) for s in shapes]
 
 
-def test_shapes_one_long_prefill_and_vllms_own_split() -> None:
-    shapes, left = headroom.forward_shapes(8192, 256, 32768, 256)
-    assert names(shapes) == [("longest prefill", 1, 8192), ("256 prefills (vLLM's profiling split)", 256, 32)]
-    assert left == []
-    shapes, left = headroom.forward_shapes(16384, 64, 32768, 64)
-    assert names(shapes) == [("longest prefill", 1, 16384), ("64 prefills (vLLM's profiling split)", 64, 256)]
+def test_shapes_the_longest_prefill_vllms_split_and_its_mixed_batch() -> None:
+    """The longest prefill runs at the context of max_model_len (the last chunk of the longest
+    prompt); the split and the mixed batch take every request max_num_seqs allows, however few
+    blocks the temporary cache has (requests share them)."""
+    shapes, left = headroom.forward_shapes(8192, 1024, 262144)
+    assert names(shapes) == [("longest prefill at context 262144", 1, 8192, 262144),
+                             ("1024 prefills (vLLM's profiling split)", 1024, 8, 8),
+                             ("1023 decodes + 1 prefill (vLLM's mixed batch)", 1024, 7169, None)]
+    assert left == [] and [s.mixed for s in shapes] == [False, False, True]
+    shapes, _ = headroom.forward_shapes(16384, 64, 32768)
+    assert names(shapes) == [("longest prefill at context 32768", 1, 16384, 32768),
+                             ("64 prefills (vLLM's profiling split)", 64, 256, 256),
+                             ("63 decodes + 1 prefill (vLLM's mixed batch)", 64, 16321, None)]
 
 
-def test_shapes_without_cuda_graphs_have_one_state_slot() -> None:
-    """vLLM's minimal profiling cache has one block without CUDA graphs (the CPU build, eager):
-    every request needs its own GDN state slot, so only the long prefill runs, and it says why."""
-    shapes, left = headroom.forward_shapes(8192, 32, 8192, 1)
-    assert names(shapes) == [("longest prefill", 1, 8192)]
-    assert left == ["32 prefills (vLLM's profiling split): the temporary cache has 1 state slot(s)"]
-    shapes, _ = headroom.forward_shapes(8192, 16, 4096, 8)
-    assert names(shapes)[1] == ("8 prefills (vLLM's profiling split of 16, cut to the state slots)", 8, 1024)
+def test_shapes_at_max_model_len_and_with_one_sequence() -> None:
+    """tokens = max_model_len: the longest prefill has no cached context; max_num_seqs 1: no split
+    and no mixed batch (one request is all a step can hold)."""
+    shapes, left = headroom.forward_shapes(8192, 32, 8192)
+    assert names(shapes)[0] == ("longest prefill at context 8192", 1, 8192, 8192) and len(shapes) == 3
+    shapes, left = headroom.forward_shapes(8192, 1, 32768)
+    assert names(shapes) == [("longest prefill at context 32768", 1, 8192, 32768)] and left == []
 
 
 def test_shapes_above_max_model_len_split_into_requests_that_fit() -> None:
-    shapes, _ = headroom.forward_shapes(8192, 256, 4096, 256)
-    assert names(shapes)[0] == ("2 prefills of up to max_model_len", 2, 4096)
-    shapes, left = headroom.forward_shapes(8192, 256, 4096, 1)
-    assert shapes == [] and "2 requests need more state slots than the temporary cache's 1" in left[0]
-    shapes, left = headroom.forward_shapes(8192, 1, 4096, 5)
-    assert shapes == [] and left == ["longest prefill: a request of 8192 tokens exceeds max_model_len 4096 "
-                                     "with max_num_seqs 1"]
+    shapes, left = headroom.forward_shapes(8192, 256, 4096)
+    assert names(shapes)[0] == ("2 prefills of up to max_model_len at context 4096", 2, 4096, 4096)
+    assert [s.name for s in shapes[1:]] == ["256 prefills (vLLM's profiling split)"]
+    assert left == ["255 decodes + 1 prefill (vLLM's mixed batch): its prefill of 7937 tokens exceeds "
+                    "max_model_len 4096"]
+    shapes, left = headroom.forward_shapes(8192, 1, 4096)
+    assert shapes == [] and left == ["longest prefill at context 4096: a request of 8192 tokens exceeds "
+                                     "max_model_len 4096 with max_num_seqs 1"]
+    # a mixed batch whose prefill (plus its one token of context) would not fit is left out, named
+    shapes, left = headroom.forward_shapes(8192, 2, 8191)
+    assert [s.name for s in shapes] == ["2 prefills of up to max_model_len at context 8191"]
+    assert left == ["1 decodes + 1 prefill (vLLM's mixed batch): its prefill of 8191 tokens exceeds "
+                    "max_model_len 8191"]
 
 
 def test_shapes_split_like_vllms_dummy_run() -> None:
-    """_dummy_run gives each request tokens // num_reqs and the last one the remainder too."""
+    """_dummy_run gives each request tokens // num_reqs and the last one the remainder too; its
+    mixed batch gives min(max_num_seqs - 1, tokens // 2) requests one token and the last the rest."""
     s = headroom.Shape("x", 8193, 2)
     assert s.largest_request == s.seq_len == 4097
-    with pytest.raises(ValueError, match="state_slots=0"):
-        headroom.forward_shapes(8192, 256, 8192, 0)
+    m = headroom.Shape("m", 100, 51, mixed=True)
+    assert m.largest_request == 50 and m.seq_len is None
+    assert headroom.forward_shapes(100, 1024, 8192)[0][2].num_reqs == 51
+    with pytest.raises(ValueError, match="max_num_seqs=0"):
+        headroom.forward_shapes(8192, 0, 8192)
+
+
+def test_runtime_numbers_against_the_budget() -> None:
+    """The peak after the KV cache exists, KV cache left out, from the same baseline as the profiled
+    and measured peaks (numbers of the 2026-12-01 H200 tq-nomtp boot: baseline 74,292,566,528, vLLM's
+    reserved peak 76,879,735,296, nothing moved)."""
+    r = headroom.runtime(peak=76_879_735_296 + 45_000_000_000 + 1, kv_bytes=45_000_000_000,
+                         baseline=74_292_566_528, budget=76_879_735_296)
+    assert r["runtime_peak"] == 2_587_168_769 and r["over_budget"] == 1
+    assert headroom.runtime(peak=10, kv_bytes=4, baseline=1, budget=7)["over_budget"] == -1
+
+
+def test_the_dry_run_line_says_nothing_moved() -> None:
+    p = headroom.plan(**CPU)
+    line = p.line(dry_run=True)
+    assert "would move 0.165 GiB (177696768 bytes)" in line and "DRY RUN" in line
+    assert "KV cache stays 3.356 GiB, 18325 blocks, 6004736 KV tokens (corrected: 3.190 GiB" in line
+    assert "nothing to move" in headroom.plan(**{**CPU, "measured": 1}).line(dry_run=True)

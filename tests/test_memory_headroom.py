@@ -9,6 +9,7 @@ CUDA graph capture cannot run here: bench/memory_headroom_h200.py measures them 
 
 from __future__ import annotations
 
+import json
 import re
 from types import SimpleNamespace
 
@@ -135,8 +136,13 @@ def test_eager_engine_allocates_the_corrected_kv_cache(scenarios) -> None:  # ty
     rec = headroom_record(r)
     assert rec["tokens"] == 8192 and rec["profiled_peak"] == 0 and rec["profile"] is None
     assert rec["moved"] == rec["measured_peak"] > 16 << 20
-    assert [s["name"] for s in rec["shapes"]] == ["longest prefill"]
-    assert rec["shapes"][0]["seq_len"] == 8192 and rec["kv_temp_blocks"] == 1
+    assert [s["name"] for s in rec["shapes"]] == ["longest prefill at context 8192",
+                                                  "32 prefills (vLLM's profiling split)",
+                                                  "31 decodes + 1 prefill (vLLM's mixed batch)"]
+    assert [(s["num_reqs"], s["seq_len"], s["mixed"]) for s in rec["shapes"]] == [
+        (1, 8192, False), (32, 256, False), (32, None, True)]
+    # the CPU build's causal-conv kernel wants a state row per request: the temporary cache has 32
+    assert rec["kv_temp_blocks"] == 32 and rec["left_out"] == [] and rec["dry_run"] is False
     assert rec["blocks_after"] < rec["blocks_before"]
     assert vllm_kv_tokens(r) == rec["kv_tokens_after"]
     line = next(ln for ln in r["log"].splitlines() if "memory-headroom: profiled peak" in ln)
@@ -160,6 +166,93 @@ def test_off_is_stock_sizing_and_the_same_outputs(scenarios) -> None:  # type: i
     assert max(diffs) <= 1e-4, max(diffs)
 
 
+@pytest.mark.engine
+def test_long_prefill_runs_at_the_context_of_max_model_len(scenarios) -> None:  # type: ignore[no-untyped-def]
+    """mnbt 4096 with max_model_len 8192: the longest prefill is the last 4096-token chunk of an
+    8192-token prompt (attention over 8192 tokens of context on the CPU attention backend)."""
+    r = scenarios.run("eager-mnbt4096", ["--shape", "short", "--mnbt", "4096"], {})
+    rec = headroom_record(r)
+    assert rec["tokens"] == 4096 and rec["shapes"][0]["name"] == "longest prefill at context 8192"
+    assert rec["shapes"][0]["seq_len"] == 8192 and len(rec["shapes"]) == 3 and rec["left_out"] == []
+    assert vllm_kv_tokens(r) == rec["kv_tokens_after"]
+
+
+@pytest.mark.engine
+def test_dry_run_moves_nothing_and_the_watch_reports_a_window(scenarios) -> None:  # type: ignore[no-untyped-def]
+    """VLLM_OVERLAY_MEMORY_HEADROOM_DRY_RUN=1: the same measurement, the line says what it would move,
+    the KV cache is vLLM's own (the report's kv_tokens_before); once the KV cache exists the watch
+    reads the peak, and a mark file written around generate() gives that call its own window (the
+    CPU build meters the resident set: the numbers are the process's, not only tensors)."""
+    r = scenarios.run("eager-dry-run", ["--shape", "bug", "--memory-windows"],
+                      {"VLLM_OVERLAY_MEMORY_HEADROOM_DRY_RUN": "1"})
+    rec = headroom_record(r)
+    assert rec["dry_run"] is True and rec["moved"] > 0
+    assert vllm_kv_tokens(r) == rec["kv_tokens_before"] > rec["kv_tokens_after"]
+    line = next(ln for ln in r["log"].splitlines() if "memory-headroom: profiled peak" in ln)
+    assert "would move" in line and "DRY RUN (VLLM_OVERLAY_MEMORY_HEADROOM_DRY_RUN=1): nothing moved" in line
+    rt = r["runtime"]
+    assert rt["budget"] == rec["reserved"] and rt["baseline"] == rec["baseline"]  # nothing moved: vLLM's own
+    assert rt["kv_bytes"] > 0 and rt["meter"] == "resident set (VmRSS / VmHWM)" and "error" not in rt
+    gen, idle = rt["windows"]
+    assert (gen["seq"], gen["name"], idle["seq"], idle["name"]) == (1, "generate", 2, "idle")
+    assert gen["end"] is not None and gen["end"] >= gen["start"] and idle["end"] is None
+    assert gen["peak"] >= gen["idle"] and gen["above_idle"] == gen["peak"] - gen["idle"]
+    assert gen["runtime_peak"] == gen["peak"] - rt["kv_bytes"] - rt["baseline"]
+    assert rt["peak"] >= gen["peak"] and max(r["window_ack_s"]) < 5
+
+
+def test_watch_windows_and_the_one_warning(tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
+    """The watch's bookkeeping on a stand-in meter (numbers set by the test; the real meters are
+    exercised by the engine tests and, for CUDA, bench/stack.py memory on the H200): the cumulative
+    peak, a window per mark, a closed window keeps its own peak, a bad mark is named, and exceeding
+    the budget is said once."""
+    class Meter:
+        name = "stand-in"
+
+        def __init__(self) -> None:
+            self.now, self.top = 100, 100
+
+        def current(self) -> int:
+            return self.now
+
+        def peak(self) -> int:
+            return self.top
+
+        def reset_peak(self) -> None:
+            self.top = self.now
+
+    STATE.reset()
+    m = Meter()
+    mark = tmp_path / "memory-window.json"
+    w = mh.Watch(m, kv_bytes=40, baseline=50, budget=80, mark_path=str(mark), warn=True)
+    w.start()
+    w.stop.set()  # the test ticks by hand
+    m.top = 110
+    w.tick()
+    assert w.record["peak"] == 110 and w.record["runtime_peak"] == 20 and w.record["over_budget"] == -10
+    mark.write_text(json.dumps({"seq": 1, "name": "band"}))
+    w.tick()
+    (band,) = w.record["windows"]
+    assert (band["name"], band["idle"], band["peak"], band["end"]) == ("band", 100, 100, None)
+    m.top = 130  # 130 - 40 = 90 > budget 80
+    with caplog.at_level("WARNING", logger="vllm_overlay"):
+        w.tick()
+        m.top = 140
+        w.tick()
+    warnings = [r.getMessage() for r in caplog.records if "reserved" in r.getMessage()]
+    assert len(warnings) == 1 and "0.000 GiB (10 bytes) more than was reserved" in warnings[0]
+    mark.write_text(json.dumps({"seq": 2, "name": "idle"}))
+    w.tick()
+    band, idle = w.record["windows"]
+    assert band["end"] is not None and band["peak"] == 140 and band["above_idle"] == 40
+    assert band["over_budget"] == 20 and idle["peak"] == idle["idle"] == 100 and w.record["peak"] == 140
+    mark.write_text("not json")
+    w.tick()
+    assert "expected {\"seq\": N, \"name\": \"...\"}" in w.record["mark_error"]
+    assert STATE.patches["memory-headroom"]["runtime"] is w.record
+    STATE.reset()
+
+
 def test_report_command_prints_the_headroom_line() -> None:
     """`vllm-overlay report` shows each worker's correction on one line (a recorded CPU record)."""
     from vllm_overlay import headroom
@@ -170,7 +263,13 @@ def test_report_command_prints_the_headroom_line() -> None:
     rec = headroom.plan(**CPU).to_json()  # type: ignore[arg-type]
     rep = {"pid": 7, "role": "worker rank 0", "vllm_version": "0.32.0", "load_apply_s": 0.01,
            "counts": {"applied": 6, "armed": 0, "skipped": 0, "off": 2, "upstream-merged": 1, "failed": 0},
-           "patches": {"memory-headroom": {"status": "applied", "reason": "on by default", "headroom": [rec]}},
+           "patches": {"memory-headroom": {"status": "applied", "reason": "on by default", "headroom": [rec],
+                                           "runtime": {**headroom.runtime(peak=rec["reserved"] + 3 * 2**30 + 2**29,
+                                                                          kv_bytes=3 * 2**30,
+                                                                          baseline=rec["baseline"],
+                                                                          budget=rec["reserved"]),
+                                                       "budget": rec["reserved"], "baseline": rec["baseline"],
+                                                       "windows": [{}, {}]}}},
            "counters": {}, "buffers": [], "events": [], "written": 1.0,
            "telemetry": {"forwards": {"count": 0, "min": None, "max": None, "sizes": {}}}}
     import contextlib
@@ -181,3 +280,5 @@ def test_report_command_prints_the_headroom_line() -> None:
         print_reports(Out(), [rep])
     assert ("pid 7: memory-headroom at 8192 tokens: profiled peak 0.000 GiB, measured 0.165 GiB, moved 0.165 GiB; "
             "KV tokens 6004736 -> 5708513") in buf.getvalue()
+    assert ("pid 7: memory-headroom at runtime: peak 0.500 GiB above the pre-profiling baseline (KV cache left "
+            "out), reserved 0.000 GiB: EXCEEDED by 0.500 GiB; 2 windows") in buf.getvalue()

@@ -30,36 +30,51 @@ def cdiv(a: int, b: int) -> int:
 
 @dataclass(frozen=True)
 class Shape:
-    """One dummy forward: ``num_reqs`` requests sharing ``tokens`` tokens the way vLLM's
-    ``_dummy_run`` splits them (equal parts, the remainder on the last), each with ``seq_len``
-    tokens of context including its own."""
+    """One dummy forward of ``tokens`` tokens over ``num_reqs`` requests.
+
+    Split as vLLM's ``_dummy_run`` splits it: equal parts with the remainder on the last request, or,
+    with ``mixed`` (its ``create_mixed_batch``), ``num_reqs - 1`` one-token decodes followed by one
+    prefill of the rest. ``context`` is every request's sequence length (cached context plus its
+    own tokens) passed as ``profile_seq_lens``; None: vLLM's own (each request's tokens, a mixed
+    batch's prefill its tokens plus one)."""
 
     name: str
     tokens: int
     num_reqs: int
+    context: int | None = None
+    mixed: bool = False
 
     @property
     def largest_request(self) -> int:
+        if self.mixed:
+            return self.tokens - (self.num_reqs - 1)
         return self.tokens // self.num_reqs + self.tokens % self.num_reqs
 
     @property
-    def seq_len(self) -> int:
-        return self.largest_request
+    def seq_len(self) -> int | None:
+        """``profile_seq_lens`` for the forward (None for a mixed batch: vLLM sets its own)."""
+        if self.mixed:
+            return self.context
+        return self.context if self.context is not None else self.largest_request
 
 
-def forward_shapes(tokens: int, max_num_seqs: int, max_model_len: int,
-                   state_slots: int) -> tuple[list[Shape], list[str]]:
-    """The prefill-shaped forwards of ``tokens`` tokens to measure, and why any was left out.
+def forward_shapes(tokens: int, max_num_seqs: int, max_model_len: int) -> tuple[list[Shape], list[str]]:
+    """The forwards of ``tokens`` tokens to measure, and why any was left out.
 
-    First the fewest requests that fit in max_model_len (one long prefill when tokens <=
-    max_model_len); then, when different, vLLM's own profiling split into min(tokens,
-    max_num_seqs) requests, whose many short prefills pad more GDN chunks. Every request needs
-    its own recurrent-state slot (a KV block) in the temporary cache the forwards run on, which
-    has ``state_slots`` blocks (vLLM's minimal profiling cache: one per CUDA graph batch size up
-    to max_num_seqs, one block without CUDA graphs): the split is cut to that many requests, and
-    a shape whose largest request exceeds max_model_len or that needs more slots is left out."""
-    for name, v in (("tokens", tokens), ("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len),
-                    ("state_slots", state_slots)):
+    1. The longest prefill: the fewest requests that fit in max_model_len (one when tokens <=
+       max_model_len), each at the context of max_model_len, i.e. the last chunk of the longest
+       prompt a server accepts: attention workspaces that grow with the cached context (e.g.
+       TurboQuant's dequantized continuation K/V) are measured at their largest.
+    2. vLLM's own profiling split into min(tokens, max_num_seqs) prefills: the most requests, so
+       the most GDN chunks and the most per-request recurrent states (each prefill gathers its
+       state, and the chunked kernel returns a float32 final state per request).
+    3. vLLM's mixed batch: min(max_num_seqs - 1, tokens // 2) one-token decodes and one prefill of
+       the rest, the step of a busy server when a prompt arrives: the decodes join the prefill's
+       chunked GDN path, one more chunk each.
+
+    Requests share the temporary cache's blocks (the dummy block table's rows are zero): the
+    forwards compute nothing that is kept, only their memory is read."""
+    for name, v in (("tokens", tokens), ("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len)):
         if v < 1:
             raise ValueError(f"forward_shapes: {name}={v}: expected a positive integer")
     shapes: list[Shape] = []
@@ -67,28 +82,29 @@ def forward_shapes(tokens: int, max_num_seqs: int, max_model_len: int,
     n = min(max_num_seqs, cdiv(tokens, max_model_len))
     while n < min(tokens, max_num_seqs) and Shape("", tokens, n).largest_request > max_model_len:
         n += 1
-    long = Shape("longest prefill" if n == 1 else f"{n} prefills of up to max_model_len", tokens, n)
+    long = Shape(("longest prefill" if n == 1 else f"{n} prefills of up to max_model_len")
+                 + f" at context {max_model_len}", tokens, n, context=max_model_len)
     if long.largest_request > max_model_len:
         left_out.append(f"{long.name}: a request of {long.largest_request} tokens exceeds max_model_len "
                         f"{max_model_len} with max_num_seqs {max_num_seqs}")
-    elif long.num_reqs > state_slots:
-        left_out.append(f"{long.name}: {long.num_reqs} requests need more state slots than the "
-                        f"temporary cache's {state_slots}")
     else:
         shapes.append(long)
     full = min(tokens, max_num_seqs)
-    r = min(full, state_slots)
-    split = Shape(f"{r} prefills (vLLM's profiling split)" if r == full
-                  else f"{r} prefills (vLLM's profiling split of {full}, cut to the state slots)", tokens, r)
-    if r == long.num_reqs and full != long.num_reqs:
-        left_out.append(f"{full} prefills (vLLM's profiling split): the temporary cache has "
-                        f"{state_slots} state slot(s)")
-    elif split.num_reqs != long.num_reqs:
+    split = Shape(f"{full} prefills (vLLM's profiling split)", tokens, full)
+    if full != long.num_reqs:
         if split.largest_request > max_model_len:
             left_out.append(f"{split.name}: a request of {split.largest_request} tokens exceeds max_model_len "
                             f"{max_model_len}")
         else:
             shapes.append(split)
+    decodes = min(max_num_seqs - 1, tokens // 2)
+    if decodes >= 1:
+        mixed = Shape(f"{decodes} decodes + 1 prefill (vLLM's mixed batch)", tokens, decodes + 1, mixed=True)
+        if mixed.largest_request + 1 > max_model_len:
+            left_out.append(f"{mixed.name}: its prefill of {mixed.largest_request} tokens exceeds max_model_len "
+                            f"{max_model_len}")
+        else:
+            shapes.append(mixed)
     return shapes, left_out
 
 
@@ -125,8 +141,19 @@ class Plan:
         out["measured_peak"] = self.measured_peak
         return out
 
-    def line(self) -> str:
-        """The one log line (identifiers whole; sizes in GiB with bytes where they decide)."""
+    def line(self, dry_run: bool = False) -> str:
+        """The one log line (identifiers whole; sizes in GiB with bytes where they decide). A dry run
+        (VLLM_OVERLAY_MEMORY_HEADROOM_DRY_RUN=1) says what it would move and that the KV cache stays
+        as vLLM sized it."""
+        if dry_run:
+            what = (f"would move {self.moved / GIB:.3f} GiB ({self.moved} bytes) from the KV cache to "
+                    "activations; DRY RUN (VLLM_OVERLAY_MEMORY_HEADROOM_DRY_RUN=1): nothing moved, UNSAFE"
+                    if self.moved else "nothing to move (the profiled peak covers it); dry run")
+            return (f"memory-headroom: profiled peak {self.profiled_peak / GIB:.3f} GiB, measured peak at "
+                    f"{self.tokens} tokens {self.measured_peak / GIB:.3f} GiB; {what}; KV cache stays "
+                    f"{self.available_before / GIB:.3f} GiB, {self.blocks_before} blocks, "
+                    f"{self.kv_tokens_before} KV tokens (corrected: {self.available_after / GIB:.3f} GiB, "
+                    f"{self.blocks_after} blocks, {self.kv_tokens_after} KV tokens)")
         what = (f"moved {self.moved / GIB:.3f} GiB ({self.moved} bytes) from the KV cache to activations"
                 if self.moved else "nothing moved (the profiled peak covers it)")
         return (f"memory-headroom: profiled peak {self.profiled_peak / GIB:.3f} GiB, measured peak at "
@@ -161,3 +188,14 @@ def plan(*, tokens: int, baseline: int, reserved: int, measured: int, available_
                 available_after=after, blocks_before=blocks_before, blocks_after=blocks_after,
                 kv_tokens_before=kv_tokens(blocks_before, blocks_per_request, max_model_len),
                 kv_tokens_after=kv_tokens(blocks_after, blocks_per_request, max_model_len))
+
+
+def runtime(*, peak: int, kv_bytes: int, baseline: int, budget: int) -> dict[str, int]:
+    """A peak read after the KV cache was allocated, against what was reserved for everything else.
+
+    ``peak``: the meter's peak (absolute, the KV cache included); ``kv_bytes``: the KV cache's
+    allocations; ``budget``: the absolute level the rest may reach (vLLM's reserved peak plus what
+    memory-headroom moved out of the KV cache). ``runtime_peak`` is counted from ``baseline`` like
+    the profiled and measured peaks; ``over_budget`` > 0 means the reservation was exceeded."""
+    non_kv = peak - kv_bytes
+    return {"peak": peak, "peak_non_kv": non_kv, "runtime_peak": non_kv - baseline, "over_budget": non_kv - budget}

@@ -172,6 +172,14 @@ SETTINGS: tuple[Setting, ...] = (
         "of memory under traffic.",
     ),
     Setting(
+        "VLLM_OVERLAY_MEMORY_HEADROOM_DRY_RUN", _bool, False,
+        "1 or 0 (1 measures and reports but moves nothing: UNSAFE as VLLM_OVERLAY_MEMORY_HEADROOM=0)",
+        "memory-headroom measures as usual, logs what it would move and watches the runtime peak "
+        "against vLLM's own reservation (report field runtime), but leaves the KV cache as vLLM sized "
+        "it: a server with vLLM's sizing and the numbers that show whether that sizing held. For "
+        "comparisons; unsafe for the same reason as VLLM_OVERLAY_MEMORY_HEADROOM=0.",
+    ),
+    Setting(
         "VLLM_OVERLAY_PREFILL_CHUNK_CLAMP", _int_range(0, TOKEN_MAX), 0,
         f"an integer in [0, {TOKEN_MAX}] (0 disables the clamp)",
         "Bounds one request's prefill chunk per step (vLLM's long_prefill_token_threshold). It "

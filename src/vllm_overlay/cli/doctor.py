@@ -38,6 +38,9 @@ def findings(mnbt: int | None, environ: dict[str, str] | None = None) -> list[tu
         out.append(("warning", "VLLM_OVERLAY_MEMORY_HEADROOM=0: unsafe; the KV cache is sized from vLLM's "
                     "profiling forward alone, which misses the GDN and attention temporaries of a real "
                     "forward of max_num_batched_tokens (memory-headroom is off)"))
+    if headroom and r["VLLM_OVERLAY_MEMORY_HEADROOM_DRY_RUN"].value:
+        out.append(("warning", "VLLM_OVERLAY_MEMORY_HEADROOM_DRY_RUN=1: unsafe; memory-headroom measures and "
+                    "reports what it would move but leaves the KV cache as vLLM's profiling forward sized it"))
     if cap:
         out.append(("info", f"VLLM_OVERLAY_PROFILE_RUN_CAP={cap}: not needed for the GDN boot crash "
                     "(the overlay sizes the buffer itself); activations above the cap are not profiled"

@@ -47,7 +47,15 @@ def print_reports(out: Out, reports: list[dict[str, Any]]) -> None:
         for h in r.get("patches", {}).get("memory-headroom", {}).get("headroom", []):
             out.line(f"pid {r['pid']}: memory-headroom at {h['tokens']} tokens: profiled peak "
                      f"{h['profiled_peak'] / 2**30:.3f} GiB, measured {h['measured_peak'] / 2**30:.3f} GiB, moved "
-                     f"{h['moved'] / 2**30:.3f} GiB; KV tokens {h['kv_tokens_before']} -> {h['kv_tokens_after']}")
+                     f"{h['moved'] / 2**30:.3f} GiB; KV tokens {h['kv_tokens_before']} -> {h['kv_tokens_after']}"
+                     + (" (dry run: nothing moved)" if h.get("dry_run") else ""))
+        rt = r.get("patches", {}).get("memory-headroom", {}).get("runtime")
+        if rt and "runtime_peak" in rt:
+            over = rt["over_budget"]
+            out.line(f"pid {r['pid']}: memory-headroom at runtime: peak {rt['runtime_peak'] / 2**30:.3f} GiB above "
+                     f"the pre-profiling baseline (KV cache left out), reserved {(rt['budget'] - rt['baseline']) / 2**30:.3f}"
+                     f" GiB: " + (f"EXCEEDED by {over / 2**30:.3f} GiB" if over > 0 else
+                                  f"{-over / 2**30:.3f} GiB to spare") + f"; {len(rt.get('windows', []))} windows")
         for shape, source in sorted(r.get("patches", {}).get("moe-configs", {}).get("moe_configs", {}).items()):
             out.line(f"pid {r['pid']}: fused-MoE config {shape}: {source}")
         for e in r.get("events", [])[-10:]:

@@ -9,17 +9,22 @@ VLLM_OVERLAY_PROFILE_RUN_CAP the profiling forward is smaller than max_num_batch
 
 In each worker, after vLLM's determine_available_memory and before the KV cache exists, this patch
 builds vLLM's own minimal profiling KV cache (the one it builds for CUDA graph memory profiling),
-runs prefill-shaped dummy forwards of max_num_batched_tokens tokens with real attention metadata
-(one long prefill, and vLLM's own split into max_num_seqs prefills), measures their peak
-(allocator bytes on CUDA, resident set on the CPU build), drops that cache exactly as vLLM does,
-and takes the shortfall against what profiling reserved from the KV cache budget: one line and
-report fields (profiled peak, measured peak, memory moved, KV blocks and tokens before and after).
+runs dummy forwards of max_num_batched_tokens tokens with real attention metadata (the longest
+prefill at the context of max_model_len, vLLM's own split into max_num_seqs prefills, and its mixed
+batch of max_num_seqs - 1 decodes and one prefill: per-request GDN states and chunks at their most),
+measures their peak (allocator bytes on CUDA, resident set on the CPU build), drops that cache
+exactly as vLLM does, and takes the shortfall against what profiling reserved from the KV cache
+budget: one line and report fields (profiled peak, measured peak, memory moved, KV blocks and
+tokens before and after). Once the real KV cache exists, a watch compares the runtime peak with
+what was reserved (report field runtime; one WARNING if it is exceeded).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -43,6 +48,8 @@ _RUNNER_PROOFS = (
     Proof(RUNNER_PATH, "def _cleanup_profiling_kv_cache(self) -> None:"),
     Proof(RUNNER_PATH, "self.initialize_kv_cache(minimal_config, is_profiling=True)"),
     Proof(RUNNER_PATH, "profile_seq_lens: int | None = None,"),
+    Proof(RUNNER_PATH, "create_mixed_batch: bool = False,"),
+    Proof(RUNNER_PATH, "num_decode_tokens = min(max_num_reqs - 1, num_tokens // 2)"),
     Proof(RUNNER_PATH, "max_num_reqs = self.scheduler_config.max_num_seqs"),
     Proof(RUNNER_PATH, "if force_attention or cudagraph_runtime_mode == CUDAGraphMode.FULL:"),
     Proof(RUNNER_PATH, "self.cudagraph_dispatcher.keys_initialized = False"),
@@ -70,6 +77,8 @@ SPEC = PatchSpec(
         Target(CPU_WORKER_MODULE, "CPUWorker.determine_available_memory", wrapper="_determine_available_memory",
                platform="cpu"),
         Target(RUNNER_MODULE, f"{RUNNER}.profile_run", wrapper="_profile_run"),
+        Target(RUNNER_MODULE, f"{RUNNER}.initialize_kv_cache", wrapper="_initialize_kv_cache",
+               params=("kv_cache_config", "is_profiling")),
     ),
     mechanism="wrap",
     support=(
@@ -102,7 +111,8 @@ SPEC = PatchSpec(
         "measured peak covers a real forward of max_num_batched_tokens (bench/memory_headroom_h200.py "
         "shows nothing moved)."
     ),
-    settings=("VLLM_OVERLAY_MEMORY_HEADROOM", "VLLM_OVERLAY_PROFILE_RUN_CAP"),
+    settings=("VLLM_OVERLAY_MEMORY_HEADROOM", "VLLM_OVERLAY_MEMORY_HEADROOM_DRY_RUN", "VLLM_OVERLAY_PROFILE_RUN_CAP",
+              "VLLM_OVERLAY_REPORT_DIR"),
 )
 
 
@@ -199,6 +209,7 @@ def meter_for(worker: Any) -> CudaMeter | RssMeter:
 # ---- the profiling forward: what vLLM reserved --------------------------------------------------
 
 _profiles: weakref.WeakKeyDictionary[Any, dict[str, int]] = weakref.WeakKeyDictionary()  # runner -> numbers
+_corrections: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()  # runner -> budget
 _lock = threading.Lock()
 _in_measurement = threading.local()
 
@@ -285,6 +296,10 @@ def _not_corrected(reason: str) -> None:
     STATE.write()
 
 
+def _is_oom(exc: BaseException) -> bool:
+    return type(exc).__name__ == "OutOfMemoryError" or "out of memory" in str(exc).lower()
+
+
 def correct(worker: Any, available: int) -> int:
     """The KV budget after the correction (``available`` when nothing is measured or moved)."""
     runner = getattr(worker, "model_runner", None)
@@ -316,7 +331,7 @@ def correct(worker: Any, available: int) -> int:
     except OverlayError:
         raise
     except Exception as exc:
-        oom = type(exc).__name__ == "OutOfMemoryError" or "out of memory" in str(exc).lower()
+        oom = _is_oom(exc)
         raise HeadroomError(
             f"vllm-overlay memory-headroom: the measuring forward of {tokens} tokens (max_num_batched_tokens) "
             f"failed before the KV cache was allocated: {type(exc).__name__}: {exc}"
@@ -331,20 +346,28 @@ def correct(worker: Any, available: int) -> int:
                       available_before=available, bytes_per_block=m["bytes_per_block"],
                       blocks_per_request=m["blocks_per_request"],
                       max_model_len=int(runner.model_config.max_model_len))
+    dry = bool(settings.value("VLLM_OVERLAY_MEMORY_HEADROOM_DRY_RUN"))
     record = {**p.to_json(), "meter": meter.name, "shapes": m["shapes"], "left_out": m["left_out"],
               "kv_temp_bytes": m["kv_temp_bytes"],
               "kv_temp_blocks": m["kv_temp_blocks"], "non_torch_growth": m["non_torch_growth"],
-              "profile": prof, "profile_run_cap": int(settings.value("VLLM_OVERLAY_PROFILE_RUN_CAP"))}
+              "profile": prof, "profile_run_cap": int(settings.value("VLLM_OVERLAY_PROFILE_RUN_CAP")),
+              "dry_run": dry}
     with STATE.lock:
         STATE.patches.setdefault(PATCH_ID, {}).setdefault("headroom", []).append(record)
         STATE.dirty = True
+    with _lock:  # what the runtime watch compares with once the KV cache exists
+        _corrections[runner] = {"baseline": baseline, "reserved": reserved, "moved": 0 if dry else p.moved,
+                                "cpu": cpu}
     cap = record["profile_run_cap"]
-    line = (p.line() + f" ({meter.name}; forwards measured: {', '.join(s['name'] for s in m['shapes'])}"
+    line = (p.line(dry_run=dry) + f" ({meter.name}; forwards measured: {', '.join(s['name'] for s in m['shapes'])}"
             + (f"; vLLM profiled {cap} tokens: VLLM_OVERLAY_PROFILE_RUN_CAP" if 0 < cap < tokens and prof else "")
+            + (f"; left out: {'; '.join(m['left_out'])}" if m["left_out"] else "")
             + ")")
     STATE.event(line)
-    (LOG.warning if p.moved else LOG.info)(line)
+    (LOG.warning if p.moved or m["left_out"] else LOG.info)(line)
     STATE.write()
+    if dry:
+        return available
     if p.blocks_after < 1:
         raise HeadroomError(
             f"vllm-overlay memory-headroom: a forward of {tokens} tokens (max_num_batched_tokens) peaks "
@@ -392,14 +415,21 @@ def _kv_facts(runner: Any) -> tuple[int, int, int]:
     return sum(storages.values()), int(cfg.num_blocks), max(1, round(int(cfg.num_blocks) / concurrency))
 
 
-def _init_temp_kv(runner: Any) -> None:
-    """vLLM's minimal profiling KV cache. Its helper was written for CUDA graph profiling and reads
-    max_cudagraph_capture_size, which the CPU build leaves None: 0 for the call (one block)."""
+def _init_temp_kv(runner: Any, rows: int) -> None:
+    """vLLM's minimal profiling KV cache (the one it builds to profile CUDA graph memory: one block
+    per CUDA graph batch size). Its helper reads max_cudagraph_capture_size for the block count,
+    set for the call where it must change: the CPU build leaves it None, and its C++ causal-conv
+    kernel wants a conv-state row per request of the forward (``rows``: the most requests of a
+    measured shape). On CUDA the Triton kernels index the state rows per request, and the dummy
+    forwards' block-table rows are zero, so requests share block 0 of vLLM's own cache."""
     from vllm.config import set_current_vllm_config
 
     cc = runner.compilation_config
     saved = cc.max_cudagraph_capture_size
-    if saved is None:
+    cpu = getattr(getattr(runner, "device", None), "type", None) == "cpu"
+    if cpu:
+        cc.max_cudagraph_capture_size = max(saved or 0, rows)
+    elif saved is None:
         cc.max_cudagraph_capture_size = 0
     try:
         with set_current_vllm_config(runner.vllm_config):
@@ -421,11 +451,13 @@ def _drop_temp_kv(runner: Any, keys: dict[Any, set[Any]], keys_initialized: bool
 
 
 def _forward(runner: Any, shape: headroom.Shape) -> None:
-    """One eager dummy forward with attention metadata: ``shape.num_reqs`` prefills (vLLM's
-    _dummy_run splits tokens over scheduler_config.max_num_seqs requests; set for the call).
-    With speculative decoding the GDN metadata reads each request's draft count from the runner's
-    num_decode_draft_tokens; -1 marks a request without drafts (a prefill), as the runner writes
-    it for every real step; the previous contents are put back after the forward."""
+    """One eager dummy forward with attention metadata: ``shape.num_reqs`` requests as vLLM's
+    _dummy_run splits ``shape.tokens`` over scheduler_config.max_num_seqs (set for the call), or its
+    mixed batch (one-token decodes and one prefill), each request at ``shape.seq_len`` tokens of
+    context (profile_seq_lens). With speculative decoding the GDN metadata reads each request's
+    draft count from the runner's num_decode_draft_tokens; -1 marks a request without drafts, as
+    the runner writes it for every real step, so the decodes of a mixed batch take the chunked
+    path with the prefill, as requests without drafts do; the previous contents are put back."""
     from vllm.config import CUDAGraphMode
 
     sched = runner.scheduler_config
@@ -438,7 +470,7 @@ def _forward(runner: Any, shape: headroom.Shape) -> None:
             drafts.np.fill(-1)
             drafts.copy_to_gpu()
         out = runner._dummy_run(shape.tokens, cudagraph_runtime_mode=CUDAGraphMode.NONE, force_attention=True,
-                                skip_eplb=True, profile_seq_lens=shape.seq_len)
+                                skip_eplb=True, create_mixed_batch=shape.mixed, profile_seq_lens=shape.seq_len)
     finally:
         sched.max_num_seqs = saved
         if drafts is not None:
@@ -460,22 +492,33 @@ def measure(runner: Any, meter: CudaMeter | RssMeter, tokens: int) -> dict[str, 
     non_torch_before = meter.non_torch()
     out: dict[str, Any] = {"shapes": []}
     with torch.inference_mode():
+        shapes, out["left_out"] = headroom.forward_shapes(
+            tokens, int(runner.scheduler_config.max_num_seqs), int(runner.model_config.max_model_len))
         try:
-            _init_temp_kv(runner)
+            _init_temp_kv(runner, max((s.num_reqs for s in shapes), default=1))
             kv_bytes, kv_blocks, per_request = _kv_facts(runner)
-            shapes, out["left_out"] = headroom.forward_shapes(
-                tokens, int(runner.scheduler_config.max_num_seqs), int(runner.model_config.max_model_len),
-                kv_blocks)
             peak = 0
             for shape in shapes:
                 meter.reset_peak()
                 before = meter.current()
-                _forward(runner, shape)
-                meter.sync()
+                try:
+                    _forward(runner, shape)
+                    meter.sync()
+                except Exception as exc:
+                    if _is_oom(exc) or isinstance(exc, OverlayError):  # the overlay's own guard speaks
+                        raise
+                    # a check in a kernel that refuses this shape (not a fault: the device is
+                    # synchronised next, and a fault raises there): the others are measured, and
+                    # the line names the one left out
+                    meter.sync()
+                    out["left_out"].append(f"{shape.name}: the forward failed ({type(exc).__name__}: "
+                                           f"{str(exc)[:300]})")
+                    continue
                 p = meter.peak()
                 peak = max(peak, p)
                 out["shapes"].append({"name": shape.name, "num_reqs": shape.num_reqs, "seq_len": shape.seq_len,
-                                      "before": before, "peak": p, "peak_without_kv": p - kv_bytes})
+                                      "mixed": shape.mixed, "before": before, "peak": p,
+                                      "peak_without_kv": p - kv_bytes})
         finally:
             _drop_temp_kv(runner, keys, keys_initialized)
     meter.sync()
@@ -486,7 +529,151 @@ def measure(runner: Any, meter: CudaMeter | RssMeter, tokens: int) -> dict[str, 
     return out
 
 
+# ---- after the KV cache exists: the runtime peak against what was reserved ---------------------
+
+MARK_FILE = "memory-window.json"  # in VLLM_OVERLAY_REPORT_DIR: {"seq": N, "name": "..."} opens a window
+WATCH_EVERY_S = 0.5
+WINDOWS_KEPT = 64
+
+
+class Watch:
+    """The meter's peak from the moment the real KV cache exists (CUDA graph capture, warm-up and
+    every step after it included), against the budget the correction left: vLLM's reserved peak
+    plus what was moved out of the KV cache (nothing in a dry run). Read every WATCH_EVERY_S by a
+    daemon thread (allocator statistics only: no device call, no per-step cost); the peak is never
+    reset unless a harness writes VLLM_OVERLAY_REPORT_DIR/memory-window.json ({"seq": N, "name":
+    "..."}, a new seq each time): then the window open until then is closed with its own peak, the
+    peak statistic is reset and a window of that name opens (the harness waits until the report
+    shows it). Report field ``patches.memory-headroom.runtime``; the first time the peak exceeds
+    the budget, one WARNING (CUDA only: the CPU build's resident set counts more than tensors)."""
+
+    def __init__(self, meter: Any, kv_bytes: int, baseline: int, budget: int, mark_path: str,
+                 warn: bool) -> None:
+        self.meter, self.kv_bytes, self.baseline, self.budget = meter, kv_bytes, baseline, budget
+        self.mark_path, self.warn = mark_path, warn
+        self.peak = 0
+        self.window: dict[str, Any] | None = None
+        self.mark_stat: tuple[int, int] | None = None
+        self.warned = False
+        self.stop = threading.Event()
+        self.record: dict[str, Any] = {
+            "kv_bytes": kv_bytes, "baseline": baseline, "budget": budget, "meter": meter.name,
+            "mark_file": mark_path, "every_s": WATCH_EVERY_S, "started": time.time(), "windows": []}
+
+    def numbers(self, peak: int) -> dict[str, int]:
+        return headroom.runtime(peak=peak, kv_bytes=self.kv_bytes, baseline=self.baseline, budget=self.budget)
+
+    def start(self) -> None:
+        self.meter.reset_peak()
+        self.peak = self.meter.current()
+        self.publish()
+        threading.Thread(target=self.loop, name="vllm-overlay-memory-watch", daemon=True).start()
+
+    def loop(self) -> None:
+        while not self.stop.wait(WATCH_EVERY_S):
+            try:
+                self.tick()
+            except Exception as exc:  # noqa: BLE001 - the watch must never disturb serving
+                self.record["error"] = f"{type(exc).__name__}: {exc}"[:300]
+                self.publish()
+                return
+
+    def read_mark(self) -> tuple[int, str] | None:
+        try:
+            st = os.stat(self.mark_path)
+        except OSError:
+            return None
+        key = (st.st_mtime_ns, st.st_size)
+        if key == self.mark_stat:
+            return None
+        self.mark_stat = key
+        try:
+            with open(self.mark_path) as f:
+                mark = json.load(f)
+            return int(mark["seq"]), str(mark["name"])[:100]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            self.record["mark_error"] = (f"{self.mark_path}: {type(exc).__name__}: {exc}; expected "
+                                         '{"seq": N, "name": "..."}')[:300]
+            return None
+
+    def tick(self) -> None:
+        now = time.time()
+        p = self.meter.peak()
+        changed = False
+        if p > self.peak:
+            self.peak, changed = p, True
+            self.record["peak_at"] = now
+        if self.window is not None and p > self.window["peak"]:
+            self.window["peak"], changed = p, True
+        mark = self.read_mark()
+        if mark is not None and (self.window is None or mark[0] != self.window["seq"]):
+            if self.window is not None:
+                self.window["end"] = now
+            self.meter.reset_peak()
+            idle = self.meter.current()
+            self.window = {"seq": mark[0], "name": mark[1], "start": now, "end": None, "idle": idle, "peak": idle}
+            self.record["windows"] = (self.record["windows"] + [self.window])[-WINDOWS_KEPT:]
+            changed = True
+        if changed:
+            self.publish()
+
+    def publish(self) -> None:
+        self.record.update(self.numbers(self.peak))
+        for w in self.record["windows"]:
+            w.update(self.numbers(w["peak"]), above_idle=w["peak"] - w["idle"])
+        with STATE.lock:
+            STATE.patches.setdefault(PATCH_ID, {})["runtime"] = self.record
+            STATE.dirty = True
+        over = self.record["over_budget"]
+        if self.warn and over > 0 and not self.warned:
+            self.warned = True
+            text = (f"memory-headroom: after the KV cache was allocated the allocator peaked "
+                    f"{self.record['runtime_peak'] / headroom.GIB:.3f} GiB above the pre-profiling baseline "
+                    f"(the KV cache left out), {over / headroom.GIB:.3f} GiB ({over} bytes) more than was "
+                    f"reserved ({(self.budget - self.baseline) / headroom.GIB:.3f} GiB); the memory outside "
+                    "gpu_memory_utilization absorbed it, or the next such step runs out of memory")
+            STATE.event(text)
+            LOG.warning(text)
+
+
+_watches: weakref.WeakKeyDictionary[Any, Watch] = weakref.WeakKeyDictionary()  # runner -> its watch
+
+
+def _initialize_kv_cache(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """After the real KV cache is allocated (not vLLM's temporary profiling one), start the watch
+    of a runner whose KV budget was measured."""
+    result = wrapped(*args, **kwargs)
+    profiling = kwargs.get("is_profiling", args[1] if len(args) > 1 else False)
+    if profiling:
+        return result
+    with _lock:
+        c = _corrections.get(instance)
+        old = _watches.pop(instance, None)
+    if old is not None:
+        old.stop.set()
+    if c is None:
+        return result
+    try:
+        kv_bytes = sum({t.untyped_storage().data_ptr(): int(t.untyped_storage().nbytes())
+                        for t in _tensors(instance.kv_caches)}.values())
+        w = Watch(_runner_meter(instance), kv_bytes, c["baseline"], c["reserved"] + c["moved"],
+                  os.path.join(settings.value("VLLM_OVERLAY_REPORT_DIR"), MARK_FILE), warn=not c["cpu"])
+        w.start()
+    except Exception as exc:  # noqa: BLE001 - serving goes on without the watch, and says so
+        text = f"memory-headroom: the runtime memory watch did not start ({type(exc).__name__}: {exc})"
+        STATE.event(text)
+        LOG.warning(text)
+        return result
+    with _lock:
+        _watches[instance] = w
+    return result
+
+
 def on_revert() -> None:
     with _lock:
         _profiles.clear()
+        _corrections.clear()
+        for w in list(_watches.values()):
+            w.stop.set()
+        _watches.clear()
     _warned.clear()

@@ -94,11 +94,14 @@ def test_shapes_the_longest_prefill_vllms_split_and_its_mixed_batch() -> None:
     blocks the temporary cache has (requests share them)."""
     shapes, left = headroom.forward_shapes(8192, 1024, 262144)
     assert names(shapes) == [("longest prefill at context 262144", 1, 8192, 262144),
+                             ("tail chunk of 129 tokens at context 262144", 1, 129, 262144),
                              ("1024 prefills (vLLM's profiling split)", 1024, 8, 8),
                              ("1023 decodes + 1 prefill (vLLM's mixed batch)", 1024, 7169, None)]
-    assert left == [] and [s.mixed for s in shapes] == [False, False, True]
+    assert left == [] and [s.mixed for s in shapes] == [False, False, False, True]
+    assert shapes[1].tokens == headroom.TAIL_TOKENS == 129  # one more than TurboQuant decodes instead
     shapes, _ = headroom.forward_shapes(16384, 64, 32768)
     assert names(shapes) == [("longest prefill at context 32768", 1, 16384, 32768),
+                             ("tail chunk of 129 tokens at context 32768", 1, 129, 32768),
                              ("64 prefills (vLLM's profiling split)", 64, 256, 256),
                              ("63 decodes + 1 prefill (vLLM's mixed batch)", 64, 16321, None)]
 
@@ -107,15 +110,20 @@ def test_shapes_at_max_model_len_and_with_one_sequence() -> None:
     """tokens = max_model_len: the longest prefill has no cached context; max_num_seqs 1: no split
     and no mixed batch (one request is all a step can hold)."""
     shapes, left = headroom.forward_shapes(8192, 32, 8192)
-    assert names(shapes)[0] == ("longest prefill at context 8192", 1, 8192, 8192) and len(shapes) == 3
+    assert names(shapes)[:2] == [("longest prefill at context 8192", 1, 8192, 8192),
+                                 ("tail chunk of 129 tokens at context 8192", 1, 129, 8192)] and len(shapes) == 4
     shapes, left = headroom.forward_shapes(8192, 1, 32768)
-    assert names(shapes) == [("longest prefill at context 32768", 1, 8192, 32768)] and left == []
+    assert [s.name for s in shapes] == ["longest prefill at context 32768", "tail chunk of 129 tokens at context 32768"]
+    assert left == []
+    # a forward no longer than the tail has no tail
+    assert [s.name for s in headroom.forward_shapes(100, 1, 32768)[0]] == ["longest prefill at context 32768"]
 
 
 def test_shapes_above_max_model_len_split_into_requests_that_fit() -> None:
     shapes, left = headroom.forward_shapes(8192, 256, 4096)
     assert names(shapes)[0] == ("2 prefills of up to max_model_len at context 4096", 2, 4096, 4096)
-    assert [s.name for s in shapes[1:]] == ["256 prefills (vLLM's profiling split)"]
+    assert [s.name for s in shapes[1:]] == ["tail chunk of 129 tokens at context 4096",
+                                            "256 prefills (vLLM's profiling split)"]
     assert left == ["255 decodes + 1 prefill (vLLM's mixed batch): its prefill of 7937 tokens exceeds "
                     "max_model_len 4096"]
     shapes, left = headroom.forward_shapes(8192, 1, 4096)
@@ -123,7 +131,8 @@ def test_shapes_above_max_model_len_split_into_requests_that_fit() -> None:
                                      "max_model_len 4096 with max_num_seqs 1"]
     # a mixed batch whose prefill (plus its one token of context) would not fit is left out, named
     shapes, left = headroom.forward_shapes(8192, 2, 8191)
-    assert [s.name for s in shapes] == ["2 prefills of up to max_model_len at context 8191"]
+    assert [s.name for s in shapes] == ["2 prefills of up to max_model_len at context 8191",
+                                        "tail chunk of 129 tokens at context 8191"]
     assert left == ["1 decodes + 1 prefill (vLLM's mixed batch): its prefill of 8191 tokens exceeds "
                     "max_model_len 8191"]
 
@@ -135,7 +144,7 @@ def test_shapes_split_like_vllms_dummy_run() -> None:
     assert s.largest_request == s.seq_len == 4097
     m = headroom.Shape("m", 100, 51, mixed=True)
     assert m.largest_request == 50 and m.seq_len is None
-    assert headroom.forward_shapes(100, 1024, 8192)[0][2].num_reqs == 51
+    assert headroom.forward_shapes(100, 1024, 8192)[0][-1].num_reqs == 51
     with pytest.raises(ValueError, match="max_num_seqs=0"):
         headroom.forward_shapes(8192, 0, 8192)
 

@@ -58,13 +58,19 @@ class Shape:
         return self.context if self.context is not None else self.largest_request
 
 
+TAIL_TOKENS = 129  # the shortest chunk vLLM's TurboQuant backend prefills over its dequantized cache:
+# it decodes chunks of up to _CONTINUATION_DECODE_THRESHOLD = 128 tokens (0.20.0-0.33.0)
+
+
 def forward_shapes(tokens: int, max_num_seqs: int, max_model_len: int) -> tuple[list[Shape], list[str]]:
     """The forwards of ``tokens`` tokens to measure, and why any was left out.
 
     1. The longest prefill: the fewest requests that fit in max_model_len (one when tokens <=
        max_model_len), each at the context of max_model_len, i.e. the last chunk of the longest
        prompt a server accepts: attention workspaces that grow with the cached context (e.g.
-       TurboQuant's dequantized continuation K/V) are measured at their largest.
+       TurboQuant's dequantized continuation K/V, kept per layer in vLLM 0.20.x) are measured.
+       Then its tail: one chunk of TAIL_TOKENS at that context, the most cached context a chunk
+       can follow (a busy step gives a long prompt's chunks fewer tokens than max_num_batched_tokens).
     2. vLLM's own profiling split into min(tokens, max_num_seqs) prefills: the most requests, so
        the most GDN chunks and the most per-request recurrent states (each prefill gathers its
        state, and the chunked kernel returns a float32 final state per request).
@@ -89,6 +95,9 @@ def forward_shapes(tokens: int, max_num_seqs: int, max_model_len: int) -> tuple[
                         f"{max_model_len} with max_num_seqs {max_num_seqs}")
     else:
         shapes.append(long)
+        q = min(tokens, TAIL_TOKENS)
+        if q < long.largest_request:
+            shapes.append(Shape(f"tail chunk of {q} tokens at context {max_model_len}", q, 1, context=max_model_len))
     full = min(tokens, max_num_seqs)
     split = Shape(f"{full} prefills (vLLM's profiling split)", tokens, full)
     if full != long.num_reqs:

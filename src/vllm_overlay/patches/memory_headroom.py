@@ -10,8 +10,9 @@ VLLM_OVERLAY_PROFILE_RUN_CAP the profiling forward is smaller than max_num_batch
 In each worker, after vLLM's determine_available_memory and before the KV cache exists, this patch
 builds vLLM's own minimal profiling KV cache (the one it builds for CUDA graph memory profiling),
 runs dummy forwards of max_num_batched_tokens tokens with real attention metadata (the longest
-prefill at the context of max_model_len, vLLM's own split into max_num_seqs prefills, and its mixed
-batch of max_num_seqs - 1 decodes and one prefill: per-request GDN states and chunks at their most),
+prefill and a short tail chunk at the context of max_model_len, vLLM's own split into max_num_seqs
+prefills, and its mixed batch of max_num_seqs - 1 decodes and one prefill: context-sized attention
+workspaces, per-request GDN states and chunks at their most),
 measures their peak (allocator bytes on CUDA, resident set on the CPU build), drops that cache
 exactly as vLLM does, and takes the shortfall against what profiling reserved from the KV cache
 budget: one line and report fields (profiled peak, measured peak, memory moved, KV blocks and
@@ -58,6 +59,7 @@ _RUNNER_PROOFS = (
     Proof(RUNNER_PATH, "self.num_decode_draft_tokens.copy_to_gpu()"),
     Proof(RUNNER_PATH, "self.maybe_remove_all_loras(self.lora_config)"),
     Proof("v1/core/kv_cache_utils.py", "def get_max_concurrency_for_kv_cache_config("),
+    Proof("v1/attention/backends/turboquant_attn.py", "_CONTINUATION_DECODE_THRESHOLD = 128"),
     Proof(CPU_WORKER_PATH, "requested_memory_for_kv = int(self.requested_cpu_memory - consumed_memory)"),
 )
 
@@ -348,7 +350,7 @@ def correct(worker: Any, available: int) -> int:
                       max_model_len=int(runner.model_config.max_model_len))
     dry = bool(settings.value("VLLM_OVERLAY_MEMORY_HEADROOM_DRY_RUN"))
     record = {**p.to_json(), "meter": meter.name, "shapes": m["shapes"], "left_out": m["left_out"],
-              "kv_temp_bytes": m["kv_temp_bytes"],
+              "kv_temp_bytes": m["kv_temp_bytes"], "left_allocated": m["left_allocated"],
               "kv_temp_blocks": m["kv_temp_blocks"], "non_torch_growth": m["non_torch_growth"],
               "profile": prof, "profile_run_cap": int(settings.value("VLLM_OVERLAY_PROFILE_RUN_CAP")),
               "dry_run": dry}
@@ -490,6 +492,7 @@ def measure(runner: Any, meter: CudaMeter | RssMeter, tokens: int) -> dict[str, 
     meter.reset_peak()  # a meter that cannot measure here says so before any work
     meter.sync()
     non_torch_before = meter.non_torch()
+    start = meter.current()
     out: dict[str, Any] = {"shapes": []}
     with torch.inference_mode():
         shapes, out["left_out"] = headroom.forward_shapes(
@@ -523,9 +526,11 @@ def measure(runner: Any, meter: CudaMeter | RssMeter, tokens: int) -> dict[str, 
             _drop_temp_kv(runner, keys, keys_initialized)
     meter.sync()
     growth = max(0, meter.non_torch() - non_torch_before)
+    # what the forwards left allocated once the temporary cache is gone (e.g. attention workspaces a
+    # layer keeps): in the measured peak; with a dry run it sits on top of vLLM's own sizing
     out.update(measured=peak - kv_bytes + growth, kv_temp_bytes=kv_bytes, kv_temp_blocks=kv_blocks,
                bytes_per_block=headroom.cdiv(kv_bytes, kv_blocks), blocks_per_request=per_request,
-               non_torch_growth=growth)
+               non_torch_growth=growth, left_allocated=meter.current() - start)
     return out
 
 

@@ -52,10 +52,11 @@ def print_reports(out: Out, reports: list[dict[str, Any]]) -> None:
         rt = r.get("patches", {}).get("memory-headroom", {}).get("runtime")
         if rt and "runtime_peak" in rt:
             over = rt["over_budget"]
+            reserved = (rt["budget"] - rt["baseline"]) / 2**30
             out.line(f"pid {r['pid']}: memory-headroom at runtime: peak {rt['runtime_peak'] / 2**30:.3f} GiB above "
-                     f"the pre-profiling baseline (KV cache left out), reserved {(rt['budget'] - rt['baseline']) / 2**30:.3f}"
-                     f" GiB: " + (f"EXCEEDED by {over / 2**30:.3f} GiB" if over > 0 else
-                                  f"{-over / 2**30:.3f} GiB to spare") + f"; {len(rt.get('windows', []))} windows")
+                     f"the pre-profiling baseline (KV cache left out), reserved {reserved:.3f} GiB: "
+                     + (f"EXCEEDED by {over / 2**30:.3f} GiB" if over > 0 else f"{-over / 2**30:.3f} GiB to spare")
+                     + f"; {len(rt.get('windows', []))} windows")
         for shape, source in sorted(r.get("patches", {}).get("moe-configs", {}).get("moe_configs", {}).items()):
             out.line(f"pid {r['pid']}: fused-MoE config {shape}: {source}")
         for e in r.get("events", [])[-10:]:

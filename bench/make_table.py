@@ -505,6 +505,7 @@ def stack_section(paths: list[str]) -> list[str]:
                     "| run | workload | ms per token per stream | tokens/s |", "|---|---|---|---|", *decode]
         out += steps_lines(d)
         out += verdict_lines(d)
+        out += memory_lines(d)
         out.append("")
     return out
 
@@ -541,6 +542,74 @@ def runner_lines(d: dict) -> list[str]:  # type: ignore[type-arg]
                  for k in ("cap_fired", "precapture_forward", "capacity_error")]
         out.append(f"- {text}; {', '.join(flags)}.")
     return out
+
+
+def gib(v: float | int | None, signed: bool = False) -> str:
+    if v is None:
+        return "-"
+    return f"{v / 2**30:+.3f}" if signed else f"{v / 2**30:.3f}"
+
+
+def memory_lines(d: dict) -> list[str]:  # type: ignore[type-arg]
+    """`stack.py memory` (bench/memory_serve.py): per run, memory-headroom's boot-time numbers and each
+    traffic phase's worker peak against the reservation, the device's used memory and the outcome."""
+    runs = {n: r for n, r in d["runs"].items() if r.get("memory")}
+    if not runs:
+        return []
+    out = ["", "Memory under traffic (`bench/stack.py memory`, `bench/memory_serve.py`). Boot: memory-headroom's "
+               "line (profiled = vLLM's profiling forward; predicted = the patch's forwards of "
+               "max_num_batched_tokens; both above the allocator level before profiling). Per phase: the worker's "
+               "allocator peak in that window above the same level with the KV cache left out, against what was "
+               "reserved (vLLM's profiled peak plus what memory-headroom moved; a dry run moves nothing), and the "
+               "device's used memory (`nvidia-smi` every 200 ms) against gpu_memory_utilization x total.", "",
+           "| run | mnbt / cap | correction | profiled GiB | predicted GiB | moved GiB | KV tokens | largest runtime "
+           "peak GiB (phase) | predicted - runtime GiB | reserved - runtime GiB | outcome |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = []
+    for name, r in runs.items():
+        m = r["memory"]
+        recs = [x for w in (m.get("headroom") or {}).values() for x in w.get("records", [])]
+        h = recs[0] if recs else {}
+        dry = bool(h.get("dry_run"))
+        best = None
+        for ph_name, ph in m.get("phases", {}).items():
+            workers = ph.get("workers") or {"-": {}}
+            for w in workers.values():
+                win = w.get("window") or {}
+                if "runtime_peak" in win and (best is None or win["runtime_peak"] > best[0]):
+                    best = (win["runtime_peak"], ph_name)
+                rows.append(memory_phase_row(name, ph_name, ph, w))
+        if h:
+            corr = "dry run (vLLM's sizing)" if dry else "memory-headroom"
+            reserved = h["reserved"] - h["baseline"] + (0 if dry else h["moved"])
+            kv = (f"{h['kv_tokens_before']} (corrected: {h['kv_tokens_after']})" if dry
+                  else f"{h['kv_tokens_before']} -> {h['kv_tokens_after']}")
+            nums = [gib(h["profiled_peak"]), gib(h["measured_peak"]), gib(h["moved"]) + (" (would)" if dry else ""), kv]
+        else:
+            corr, reserved, nums = "off" if not m.get("headroom") else "not measured", None, ["-", "-", "-", "-"]
+        cap = int((r.get("overlay_env") or {}).get("GENESIS_PROFILE_RUN_CAP_M")
+                  or (r.get("overlay_env") or {}).get("VLLM_OVERLAY_PROFILE_RUN_CAP") or 0)
+        died = m.get("server_died_in")
+        outcome = f"server died in {died}" if died else "served every phase" if m.get("done") else "not finished"
+        gap = gib(h["measured_peak"] - best[0], True) if best and h else "-"
+        spare = gib(reserved - best[0], True) if best and reserved is not None else "-"
+        out.append(f"| {name} | {m['config']['mnbt']} / {cap or 'off'} | {corr} | {' | '.join(nums)} | "
+                   f"{gib(best[0]) + ' (' + best[1] + ')' if best else '-'} | {gap} | {spare} | {outcome} |")
+    return out + ["", "| run | phase | requests ok / failed | server | runtime peak GiB | reserved GiB | "
+                      "spare (+) / over (-) GiB | device peak / requested MiB | out-of-memory line or errors |",
+                  "|---|---|---|---|---|---|---|---|---|", *rows]
+
+
+def memory_phase_row(run: str, name: str, ph: dict, w: dict) -> str:  # type: ignore[type-arg]
+    win = w.get("window") or {}
+    reserved = w["budget"] - w["baseline"] if w.get("budget") is not None else None
+    spare = gib(-win["over_budget"], True) if "over_budget" in win else "-"
+    dev, req = ph.get("device_peak_mib") or {}, ph.get("device_requested_mib") or {}
+    device = ", ".join(f"{v} / {req.get(k, '-')}" for k, v in dev.items()) or "-"
+    server = ("alive" if ph.get("server_alive") else "DEAD") + (", OOM" if ph.get("oom") else "")
+    why = (ph.get("oom_lines") or [""])[0][-160:] or "; ".join(ph.get("errors") or [])[:160] or "-"
+    return (f"| {run} | {name} | {ph.get('requests_ok')} / {ph.get('requests_failed')} | {server} | "
+            f"{gib(win.get('runtime_peak'))} | {gib(reserved)} | {spare} | {device} | {why.replace('|', '/')} |")
 
 
 def steps_lines(d: dict) -> list[str]:  # type: ignore[type-arg]

@@ -10,10 +10,13 @@ calls (a server started with `boot` runs on in its own process session until `st
   python3 bench/stack.py decode LABEL --streams 1,16 --tokens 256 --reps 3
   python3 bench/stack.py steps LABEL --streams 1,16 --contexts 2048,32768 --tokens 64 --reps 3 [--budget-s S]
   python3 bench/stack.py logprobs LABEL --prompts 8 --top 20 --out NAME [--lengths 16,64,...]
+  python3 bench/stack.py memory LABEL [--phases longest,band,burst,mixed] [--budget-s S]  # issue 15's
+                                                      # traffic phases, memory per phase (bench/memory_serve.py)
   python3 bench/stack.py series issue14 --deadline S [--gpus 0,1] [--labels a,b]  # boot/steps/logprobs/stop
                                                       # label after label; again in the next call until done
   python3 bench/stack.py series issue13 --deadline S  # Model Runner V2: stress + logprobs, forced guard, stock
   python3 bench/stack.py series tqspec --deadline S   # TurboQuant + MTP, the overlay's verify path off / on
+  python3 bench/stack.py series issue15 --deadline S  # memory under traffic: cap vs memory-headroom vs vLLM
   python3 bench/stack.py stop LABEL                   # ends the server, then `collect`
   python3 bench/stack.py collect LABEL                # copies log tail, reports, results into $OUT/LABEL
   python3 bench/stack.py merge RESULT.json NAME=DIR|NAME=LABEL.json|NAME='CALLS/*/LABEL.json' ...  # (here)
@@ -40,7 +43,8 @@ server's VLLM_* variables. Several servers run side by side with their own LABEL
 (CUDA_VISIBLE_DEVICES, in nvidia-smi's order). `steps` and `logprobs` are described in
 bench/serve_measure.py; the plans of device calls: bench/tq_mtp_steps_plan.md (issue 14's
 measurements), bench/v2_plan.md (issue 13's proof on Model Runner V2), bench/tq_spec_026_plan.md
-(TurboQuant + MTP verify steps on vLLM 0.26.0, with and without the overlay's patch).
+(TurboQuant + MTP verify steps on vLLM 0.26.0, with and without the overlay's patch),
+bench/memory_headroom_plan.md (issue 15's memory under traffic, `memory`: bench/memory_serve.py).
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
+import memory_serve  # noqa: E402 - bench/memory_serve.py: issue 15's `memory` step (stdlib only)
 import serve_measure as sm  # noqa: E402 - bench/serve_measure.py (stdlib only)
 
 STATE = os.environ.get("STACK_STATE_DIR") or "/tmp/stack"
@@ -861,6 +866,8 @@ def attach_results(s: dict[str, Any], files: dict[str, Any]) -> None:
             s[key] = steps_brief(data)
         elif data.get("kind") == "logprobs":
             s.setdefault("logprobs", {})[name.removesuffix(".json")] = data
+        elif data.get("kind") == "memory":
+            s["memory"] = data
 
 
 RUNNER_V2_LINE = "Using V2 Model Runner"  # vLLM's worker logs it when it builds Model Runner V2 (0.2x)
@@ -1120,13 +1127,14 @@ def cmd_merge(a: argparse.Namespace) -> int:
 # that is its result, not a failure to retry) and stock vLLM's logprobs on the same runner.
 #
 # A series names, per label, its boot arguments and what runs once it serves ("do"): steps, stress,
-# logprobs, or guard (the label is expected to stop with CapacityError). "fallbacks": what a failed boot
+# logprobs, guard (the label is expected to stop with CapacityError), or memory (bench/memory_serve.py's
+# traffic phases, with the series' "memory" arguments). "fallbacks": what a failed boot
 # may leave out in one second boot ("headroom": memory-headroom, when it stopped the boot; "max-capture":
 # --max-capture, after any other failure). "expect_runner": the model runner every worker must build
 # (read from the overlay's reports, or vLLM's own log line for a stock server); another one stops the
 # series (exit 2). "compare": logprob runs printed side by side at the end; "verdict": a function of
 # (runs, comparisons) whose lines the series prints at the end and merge prints and records. Steps run
-# first; stress and logprobs in the order the item names them.
+# first, then memory; stress and logprobs in the order the item names them.
 #
 # TurboQuant + MTP on vLLM 0.26.0 (bench/tq_spec_026_plan.md): the logprobs of the verify steps with the
 # overlay's turboquant-spec-decode off (stock vLLM's path) and on, each against the same model without
@@ -1309,7 +1317,28 @@ SERIES: dict[str, dict[str, Any]] = {
                   ("tq-mtp-on-v2", "--mtp 3 --env VLLM_USE_V2_MODEL_RUNNER=1", ("logprobs",))],
     },
 }
-PHASES = ("steps", "stress", "logprobs", "guard")
+# Issue 15's memory proof (bench/memory_headroom_plan.md): no MTP, utilization 0.97, graphs up to 128
+# tokens. The 16k pair is the bug report's sizing (TurboQuant k8v4 KV, config overlay's cap 4096) with
+# the cap alone (memory-headroom off) and with memory-headroom; the 8k pair is vLLM's own sizing (bf16
+# KV, no cap) with memory-headroom, then measuring only (VLLM_OVERLAY_MEMORY_HEADROOM_DRY_RUN=1: its
+# line and its runtime watch, nothing moved; last, the one to drop when time runs short). The two
+# boots of a pair compile the same graphs.
+# Each label runs the `memory` step (phase "memory": the series' "memory" arguments, started with at
+# least "least_budget_s" left, resumed in the next call like steps); no logprobs; a failed boot is a
+# result, booted again only when memory-headroom's measuring forward stopped it (then with the patch off).
+SERIES["issue15"] = {
+    "boot": "--config overlay --mtp 0 --mem 0.97 --max-capture 128",
+    "memory": "--phases longest,band,burst,mixed --band-seconds 20 --mixed-tokens 128",
+    "least_budget_s": 100,  # the longest phase's prompt and its two windows fit
+    "do": ("memory",),
+    "fallbacks": ("headroom",),
+    "items": [("tq16k-cap", "--kv turboquant_k8v4 --mnbt 16384 --overlay-env VLLM_OVERLAY_MEMORY_HEADROOM=0"),
+              ("tq16k-headroom", "--kv turboquant_k8v4 --mnbt 16384"),
+              ("bf16-8k-headroom", "--kv auto --mnbt 8192 --overlay-env GENESIS_PROFILE_RUN_CAP_M=0"),
+              ("bf16-8k-vllm", "--kv auto --mnbt 8192 "
+                               "--overlay-env 'GENESIS_PROFILE_RUN_CAP_M=0 VLLM_OVERLAY_MEMORY_HEADROOM_DRY_RUN=1'")],
+}
+PHASES = ("steps", "stress", "logprobs", "guard", "memory")
 REFUSED: dict[str, str] = {}  # labels whose boot never started, this process
 ABORTED: dict[str, str] = {}  # labels that built another model runner than the series expects
 SERIES_RESERVE_S = 45  # kept back from a label's steps for its logprobs and stop within the call
@@ -1317,6 +1346,7 @@ SERIES_ROUND_S = 40  # least budget to start steps with: one round of 16 x 32K (
 SERIES_WARMUP_S = 150  # ... before the boot's warm-up, which compiles the first verify steps' kernels
 SERIES_STEPS_ATTEMPTS = 2
 SERIES_STRESS_EXTRA_S = 90  # a stress takes up to --duration + its warm-up wave and report reads (stress's limit)
+SERIES_MEMORY_LEAST_S = 100  # least budget to start the memory step with, unless the series says
 
 
 def series_items(spec: dict[str, Any]) -> list[tuple[str, str, tuple[str, ...]]]:
@@ -1361,7 +1391,8 @@ def run_series_queue(name: str, items: list[tuple[str, list[str], tuple[str, ...
                      t_end: float, opts: dict[str, Any]) -> None:
     """Each label in turn on one GPU: boot, wait, what its item asks for (steps resumed in the next call
     when time runs out), stop; the next label's boot starts at once, so it goes on between calls.
-    opts: steps/stress/guard_stress/logprobs (argument lists, or None), fallbacks, expect_runner."""
+    opts: steps/stress/guard_stress/logprobs/memory (argument lists, or None), memory_least_s, fallbacks,
+    expect_runner."""
     for label, boot_args, phases in items:
         while True:
             if ABORTED:
@@ -1451,6 +1482,21 @@ def run_series_queue(name: str, items: list[tuple[str, list[str], tuple[str, ...
                     if t_end - time.time() < SERIES_RESERVE_S:
                         return
                     continue
+            if "memory" in phases and mark.get("memory_rc") != 0:
+                budget = t_end - time.time() - SERIES_RESERVE_S
+                if budget < opts["memory_least_s"]:
+                    return
+                rc = dispatch(["memory", label, *opts["memory"], "--budget-s", f"{budget:.0f}"])
+                # cut short by the budget (3): the phases measured are kept and the next call goes on
+                series_mark(label, memory_rc=rc)
+                if rc not in (0, 3):
+                    series_mark(label, failed=f"memory ended with {rc} (the server died?)")
+                    dispatch(["stop", label])
+                    continue
+                if rc == 3:
+                    if t_end - time.time() < SERIES_RESERVE_S:
+                        return
+                    continue
             logprobs_first = ("logprobs" in phases and "stress" in phases
                               and phases.index("logprobs") < phases.index("stress")
                               and opts["logprobs"] is not None and "logprobs_rc" not in mark)
@@ -1533,6 +1579,12 @@ def series_status(labels: list[str]) -> tuple[list[str], bool]:
             parts.append(f"steps: {points or '-'}; skipped {steps.get('skipped') or '-'}")
         elif "steps_rc" in mark:
             parts.append("steps: -")
+        mem = result_files(label).get("memory.json")
+        if mem:
+            parts.append(f"memory phases done: {', '.join(mem.get('phases', {})) or '-'}"
+                         + (f"; server died in {mem['server_died_in']}" if mem.get("server_died_in") else ""))
+        elif "memory_rc" in mark:
+            parts.append("memory: -")
         if "stress_rc" in mark or "guard_stress_rc" in mark:
             sv = stress_verdict(label)
             parts.append(f"stress {sv.get('verdict')}: {sv.get('band_forwards')} band forwards, requests ok / failed "
@@ -1592,13 +1644,14 @@ def cmd_series(a: argparse.Namespace) -> int:
 
     opts: dict[str, Any] = {
         "steps": args_of("steps", a.steps), "stress": args_of("stress", a.stress),
+        "memory": args_of("memory", a.memory), "memory_least_s": spec.get("least_budget_s", SERIES_MEMORY_LEAST_S),
         "guard_stress": args_of("guard_stress", a.guard_stress),
         "logprobs": None if a.no_logprobs else args_of("logprobs", a.logprobs),
         "fallbacks": tuple(spec.get("fallbacks", ("headroom", "max-capture"))), "expect_runner": expect}
     for key in ("stress", "guard_stress"):  # how long a stress may take decides whether it starts in this call
         opts[f"{key}_s"] = build_parser().parse_args(["stress", "x", *(opts[key] or [])]).duration
     wanted = {p for label in labels for p in by_label[label][1]}
-    lacking = sorted(p for p in wanted if p in ("steps", "stress") and opts[p] is None)
+    lacking = sorted(p for p in wanted if p in ("steps", "stress", "memory") and opts[p] is None)
     if "guard" in wanted and opts["guard_stress"] is None:
         lacking.append("guard_stress")
     if lacking:
@@ -1698,6 +1751,7 @@ def build_parser() -> argparse.ArgumentParser:
     lp.add_argument("--max-tokens", type=int, default=4)
     lp.add_argument("--seed", type=int, default=0)
     lp.add_argument("--out", default="logprobs", help="result file NAME.json in the label's folder")
+    memory_serve.add_parser(sub, [common_opts])
     m = sub.add_parser("merge")
     m.add_argument("result")
     m.add_argument("runs", nargs="+", help="NAME=DIR holding a summary.json, or NAME=LABEL.json (compact)")
@@ -1712,6 +1766,7 @@ def build_parser() -> argparse.ArgumentParser:
     se.add_argument("--boot-extra", default="", help="more `boot` options for every label (one string)")
     se.add_argument("--steps", default=None, help="`steps` options instead of the series' own (one string)")
     se.add_argument("--logprobs", default=None, help="`logprobs` options instead of the series' own (one string)")
+    se.add_argument("--memory", default=None, help="`memory` options instead of the series' own (one string)")
     se.add_argument("--stress", default=None, help="`stress` options instead of the series' own (one string)")
     se.add_argument("--guard-stress", default=None,
                     help="`stress` options for a label expected to stop with CapacityError, should it serve")
@@ -1751,6 +1806,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_logprobs(a)
     if a.step == "stop":
         return cmd_stop(a)
+    if a.step == "memory":
+        return memory_serve.cmd_memory(a, sys.modules[__name__])
     if a.step == "series":
         return cmd_series(a)
     collect(a.label)

@@ -78,6 +78,10 @@ def test_doctor_warns_when_it_is_off() -> None:
     assert any("with VLLM_OVERLAY_MEMORY_HEADROOM=0 nothing measures them" in text for _, text in off)
     on = findings(None, {"VLLM_OVERLAY_PROFILE_RUN_CAP": "4096"})
     assert any("memory-headroom measures a forward of max_num_batched_tokens" in text for _, text in on)
+    dry = findings(None, {"VLLM_OVERLAY_MEMORY_HEADROOM_DRY_RUN": "1"})
+    assert [(lv, t.split(":")[0]) for lv, t in dry] == [("warning", "VLLM_OVERLAY_MEMORY_HEADROOM_DRY_RUN=1")]
+    assert not any("DRY_RUN" in t for _, t in findings(None, {"VLLM_OVERLAY_MEMORY_HEADROOM": "0",
+                                                             "VLLM_OVERLAY_MEMORY_HEADROOM_DRY_RUN": "1"}))
 
 
 # Stand-ins for a worker (plain objects with the attributes the patch reads): what it does where it

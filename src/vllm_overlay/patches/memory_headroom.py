@@ -579,11 +579,14 @@ class Watch:
             try:
                 self.tick()
             except Exception as exc:  # noqa: BLE001 - the watch must never disturb serving
-                self.record["error"] = f"{type(exc).__name__}: {exc}"[:300]
+                with STATE.lock:
+                    self.record["error"] = f"{type(exc).__name__}: {exc}"[:300]
                 self.publish()
                 return
 
-    def read_mark(self) -> tuple[int, str] | None:
+    def read_mark(self) -> tuple[int, str] | str | None:
+        """The mark file's (seq, name) when it changed since the last read, an error text when it
+        cannot be read as one, else None."""
         try:
             st = os.stat(self.mark_path)
         except OSError:
@@ -597,36 +600,41 @@ class Watch:
                 mark = json.load(f)
             return int(mark["seq"]), str(mark["name"])[:100]
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            self.record["mark_error"] = (f"{self.mark_path}: {type(exc).__name__}: {exc}; expected "
-                                         '{"seq": N, "name": "..."}')[:300]
-            return None
+            return (f"{self.mark_path}: {type(exc).__name__}: {exc}; expected "
+                    '{"seq": N, "name": "..."}')[:300]
 
     def tick(self) -> None:
+        """One read: the peak since the last reset, and a new window if the mark file asks for one.
+        The record is changed under the report's lock (the flusher serialises it meanwhile)."""
         now = time.time()
         p = self.meter.peak()
-        changed = False
-        if p > self.peak:
-            self.peak, changed = p, True
-            self.record["peak_at"] = now
-        if self.window is not None and p > self.window["peak"]:
-            self.window["peak"], changed = p, True
         mark = self.read_mark()
-        if mark is not None and (self.window is None or mark[0] != self.window["seq"]):
-            if self.window is not None:
-                self.window["end"] = now
-            self.meter.reset_peak()
-            idle = self.meter.current()
-            self.window = {"seq": mark[0], "name": mark[1], "start": now, "end": None, "idle": idle, "peak": idle}
-            self.record["windows"] = (self.record["windows"] + [self.window])[-WINDOWS_KEPT:]
-            changed = True
-        if changed:
-            self.publish()
+        with STATE.lock:
+            changed = False
+            if p > self.peak:
+                self.peak, changed = p, True
+                self.record["peak_at"] = now
+            if self.window is not None and p > self.window["peak"]:
+                self.window["peak"], changed = p, True
+            if isinstance(mark, str):
+                self.record["mark_error"], changed = mark, True
+            elif mark is not None and (self.window is None or mark[0] != self.window["seq"]):
+                if self.window is not None:
+                    self.window["end"] = now
+                self.meter.reset_peak()
+                idle = self.meter.current()
+                self.window = {"seq": mark[0], "name": mark[1], "start": now, "end": None, "idle": idle,
+                               "peak": idle}
+                self.record["windows"] = (self.record["windows"] + [self.window])[-WINDOWS_KEPT:]
+                changed = True
+            if changed:
+                self.publish()
 
     def publish(self) -> None:
-        self.record.update(self.numbers(self.peak))
-        for w in self.record["windows"]:
-            w.update(self.numbers(w["peak"]), above_idle=w["peak"] - w["idle"])
         with STATE.lock:
+            self.record.update(self.numbers(self.peak))
+            for w in self.record["windows"]:
+                w.update(self.numbers(w["peak"]), above_idle=w["peak"] - w["idle"])
             STATE.patches.setdefault(PATCH_ID, {})["runtime"] = self.record
             STATE.dirty = True
         over = self.record["over_budget"]

@@ -11,6 +11,7 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -245,3 +246,50 @@ def test_memory_series_on_a_real_cpu_server(tmp_path) -> None:  # type: ignore[n
     lines = make_table.memory_lines(json.load(open(result)))
     assert any(x.startswith("| bf16-8k-vllm | 2048 / off | dry run (vLLM's sizing) |") for x in lines)
     assert sum(x.startswith("| bf16-8k-vllm | ") for x in lines) == 5
+
+
+@pytest.mark.engine
+def test_a_server_that_dies_in_a_phase_ends_the_step(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The red path: the server dies during `burst` (the test kills it, after writing the line an
+    out-of-memory error would leave in its log: the CPU build cannot run out of device memory); the
+    phase records the dead server and that line, later phases are not run, the step exits 1 (the
+    series then marks the label FAILED and stops it), and `longest`, measured before, is kept."""
+    from test_bench_stack import free_port_block
+
+    monkeypatch.setattr(stack, "STATE", str(tmp_path / "state"))
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    monkeypatch.setenv("STACK_COMPACT", "1")
+    monkeypatch.setenv("PYTHONPATH", os.path.join(ROOT, "src"))
+    for k in [k for k in os.environ if k.startswith(("VLLM_OVERLAY", "GENESIS_"))]:
+        monkeypatch.delenv(k)
+    label = "red"
+    try:
+        assert stack.main(["boot", label, "--config", "overlay", "--model", "tiny", "--kv", "auto", "--mtp", "0",
+                           "--mnbt", "2048", "--max-model-len", "8192", "--mem", "0.3", "--additional-config", "",
+                           "--port", str(free_port_block(2)), "--wait", "240",
+                           "--extra", "--max-num-seqs 32 --enforce-eager --no-enable-prefix-caching"]) == 0
+        st = stack.load_state(label)
+
+        def dies(*_args: object) -> dict[str, object]:
+            with open(os.path.join(stack.sdir(label), "serve.log"), "a") as f:
+                f.write("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 4.00 GiB (stand-in)\n")
+            os.killpg(st["pid"], 9)
+            for _ in range(50):
+                if not stack.alive(st["pid"]):
+                    break
+                time.sleep(0.1)
+            return {"requests_ok": 0, "requests_failed": 32, "errors": ["RemoteDisconnected"]}
+
+        monkeypatch.setattr(memory_serve, "burst", dies)
+        rc = stack.main(["memory", label, "--phases", "longest,burst,mixed"])
+    finally:
+        if os.path.exists(tmp_path / "state" / label / "state.json"):
+            stack.main(["stop", label])
+    assert rc == 1
+    m = json.load(open(tmp_path / "state" / label / "memory.json"))
+    assert list(m["phases"]) == ["longest", "burst"] and m["server_died_in"] == "burst" and not m["done"]
+    burst = m["phases"]["burst"]
+    assert not burst["server_alive"] and burst["oom"] and "Tried to allocate 4.00 GiB" in burst["oom_lines"][0]
+    assert m["phases"]["longest"]["server_alive"] and not m["phases"]["longest"]["oom"]
+    b = json.load(open(tmp_path / "out" / f"{label}.json"))
+    assert b["files"]["memory.json"]["server_died_in"] == "burst"

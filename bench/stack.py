@@ -1644,7 +1644,8 @@ def cmd_series(a: argparse.Namespace) -> int:
 
     opts: dict[str, Any] = {
         "steps": args_of("steps", a.steps), "stress": args_of("stress", a.stress),
-        "memory": args_of("memory", a.memory), "memory_least_s": spec.get("least_budget_s", SERIES_MEMORY_LEAST_S),
+        "memory": args_of("memory", a.memory),
+        "memory_least_s": spec.get("least_budget_s", SERIES_MEMORY_LEAST_S),
         "guard_stress": args_of("guard_stress", a.guard_stress),
         "logprobs": None if a.no_logprobs else args_of("logprobs", a.logprobs),
         "fallbacks": tuple(spec.get("fallbacks", ("headroom", "max-capture"))), "expect_runner": expect}

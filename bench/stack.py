@@ -263,7 +263,24 @@ def server_env(config: str, overlay_env: str | None, vllm_env: str | None, gpu: 
     env["VLLM_OVERLAY_REPORT_DIR"] = report_dir
     env["TRITON_CACHE_AUTOTUNING"] = env.get("TRITON_CACHE_AUTOTUNING", "1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.join(ROOT, "src"), "/tmp/site", env.get("PYTHONPATH")) if p)
+    if "VLLM_USE_FLASHINFER_SAMPLER" not in env and not has_module("flashinfer", env["PYTHONPATH"]):
+        env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"  # see FLASHINFER_NOTE
     return env
+
+
+# The staged sites leave FlashInfer out (bench/gpu/README.md). vLLM 0.26.0's samplers (V1's
+# TopKTopPSampler and Model Runner V2's Sampler) import its attention backend, hence flashinfer, when
+# they are built on CUDA unless VLLM_USE_FLASHINFER_SAMPLER=0: on the H200 (2026-12-01) a V2 boot of
+# 0.26.0 died in load_model with "No module named 'flashinfer'". Without the variable set by the
+# caller and without flashinfer on the server's path, the servers get VLLM_USE_FLASHINFER_SAMPLER=0:
+# vLLM's native top-k/top-p sampling, what 0.20.2 fell back to on its own (recorded in vllm_env).
+FLASHINFER_NOTE = "VLLM_USE_FLASHINFER_SAMPLER=0: flashinfer is not installed where the server imports from"
+
+
+def has_module(name: str, pythonpath: str) -> bool:
+    """Whether a package ``name`` lies on PYTHONPATH's folders or this interpreter's path."""
+    folders = [p for p in pythonpath.split(os.pathsep) if p] + [p for p in sys.path if p]
+    return any(os.path.isfile(os.path.join(f, name, "__init__.py")) for f in folders)
 
 
 def vllm_env_of(env: dict[str, str]) -> dict[str, str]:

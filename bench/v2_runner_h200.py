@@ -168,11 +168,19 @@ def main() -> None:
     if unknown:
         ap.error(f"--configs {','.join(unknown)}: expected names from {', '.join(CONFIGS)}")
     os.makedirs(args.out, exist_ok=True)
+    import importlib.util
+
+    if "VLLM_USE_FLASHINFER_SAMPLER" not in os.environ and importlib.util.find_spec("flashinfer") is None:
+        # vLLM 0.26.0's samplers import flashinfer on CUDA unless this is 0; the staged site has none
+        # (on the H200, 2026-12-01, V2 on 0.26.0 died in load_model: "No module named 'flashinfer'")
+        os.environ["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
+        print("flashinfer is not installed: VLLM_USE_FLASHINFER_SAMPLER=0 for every configuration", flush=True)
     results: dict[str, Any] = {
         "script": "bench/v2_runner_h200.py", "model": args.model, "environment": common.environment(),
         "settings": {"max_num_batched_tokens": 8192, "max_model_len": 32768, "max_num_seqs": 32,
                      "compilation": "vLLM default (torch.compile + CUDA graphs)", "prefix_caching": False,
                      "gdn_prefill_backend": "triton (tiny hybrid)", "waves": args.waves,
+                     "VLLM_USE_FLASHINFER_SAMPLER": os.environ.get("VLLM_USE_FLASHINFER_SAMPLER"),
                      "traffic": "waves x (2500+2600+2400 + 8x40 tokens queued together), 8 out, greedy"},
         "configs": {}}
     suffix = f"-{args.tag}" if args.tag else ""

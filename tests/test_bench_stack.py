@@ -507,7 +507,8 @@ def test_server_env_passes_the_callers_variables_and_drops_its_overlay_settings(
     env = stack.server_env("forced-guard", "VLLM_OVERLAY_MEMORY_HEADROOM=1", "VLLM_USE_V2_MODEL_RUNNER=0 X_Y=a", "1", "/r")
     assert (env["VLLM_USE_V2_MODEL_RUNNER"], env["X_Y"], env["VLLM_OVERLAY_MEMORY_HEADROOM"]) == ("0", "a", "1")
     assert env["VLLM_OVERLAY_TEST_BUFFER_ROWS"] == "4096" and env["CUDA_VISIBLE_DEVICES"] == "1"
-    assert stack.vllm_env_of(env) == {"VLLM_ALLREDUCE_USE_SYMM_MEM": "0", "VLLM_USE_V2_MODEL_RUNNER": "0"}
+    assert stack.vllm_env_of(env) == {"VLLM_ALLREDUCE_USE_SYMM_MEM": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0",
+                                      "VLLM_USE_V2_MODEL_RUNNER": "0"}  # no flashinfer on the CPU build
     with pytest.raises(SystemExit, match=r"--env item 'VLLM_OVERLAY_STRICT=1': expected NAME=VALUE with a "
                                          r"variable name that is not an overlay setting"):
         stack.server_env("overlay", None, "VLLM_OVERLAY_STRICT=1", None, "/r")
@@ -1072,3 +1073,18 @@ def test_the_tqspec_plan_runs_as_written() -> None:
         assert name in text and os.path.isfile(os.path.join(ROOT, name)), name
     assert "tq_spec_026_plan.md" in open(V2_PLAN).read()
     assert "tq_spec_026_plan.md" in open(os.path.join(BENCH, "gpu", "README.md")).read()
+
+
+def test_flashinfer_sampler_is_turned_off_only_where_flashinfer_is_missing(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """vLLM 0.26.0's samplers import flashinfer on CUDA unless VLLM_USE_FLASHINFER_SAMPLER=0 (a V2 boot
+    died of it on the H200); the staged sites have none, so the servers get the variable, unless the
+    caller set it or flashinfer is on the server's path."""
+    monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER", raising=False)
+    assert stack.server_env("overlay", None, None, None, "/r")["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+    monkeypatch.setenv("VLLM_USE_FLASHINFER_SAMPLER", "1")
+    assert stack.server_env("overlay", None, None, None, "/r")["VLLM_USE_FLASHINFER_SAMPLER"] == "1"
+    monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER")
+    (tmp_path / "flashinfer").mkdir()
+    (tmp_path / "flashinfer" / "__init__.py").write_text("")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    assert "VLLM_USE_FLASHINFER_SAMPLER" not in stack.server_env("overlay", None, None, None, "/r")

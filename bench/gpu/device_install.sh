@@ -24,9 +24,10 @@ for f in "$src"/part* "$src"/zstandard.whl "$src"/MANIFEST; do
   [ -f "$f" ] && mv -f "$f" "$stage/"
 done
 
-installed() {  # the vLLM version in /tmp/site, or nothing
-  local d; d=$(ls -d "$site"/vllm-*.dist-info 2>/dev/null | head -1)
-  [ -n "$d" ] && basename "$d" .dist-info | sed 's/^vllm-//'
+installed() {  # the vLLM version in /tmp/site once its install finished (the marker), or nothing
+  # an install cut short (the call ended between unpacking vLLM and installing its wheels) has no
+  # marker and is done again: on the H200 one such site lacked pydantic
+  [ -f "$site/.staged-vllm" ] && cat "$site/.staged-vllm"
 }
 
 have="$(installed || true)"
@@ -44,6 +45,9 @@ if [ "$have" != "$version" ]; then
   if [ -n "$have" ]; then
     echo "$site holds vLLM $have: moving it to $site-$have"
     rm -rf "$site-$have"; mv "$site" "$site-$have"
+  elif [ -d "$site" ]; then
+    echo "$site has no finished install of this script (cut short, or staged by another script): moving it to $site-unmarked"
+    rm -rf "$site-unmarked"; mv "$site" "$site-unmarked"
   fi
   rm -rf "$site" "$tmp/payload" "$tmp/zs"
   # pip wants a wheel's own file name back
@@ -69,6 +73,7 @@ PY
   mv "$tmp/payload/site" "$site"
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" "$tmp"/payload/wheels/*.whl
   rm -rf "$tmp/payload"
+  echo "$version" > "$site/.staged-vllm"
 fi
 if [ -f pyproject.toml ]; then
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target "$site" . >/dev/null

@@ -273,7 +273,7 @@ def server_env(config: str, overlay_env: str | None, vllm_env: str | None, gpu: 
 # they are built on CUDA unless VLLM_USE_FLASHINFER_SAMPLER=0: on the H200 (2026-12-01) a V2 boot of
 # 0.26.0 died in load_model with "No module named 'flashinfer'". Without the variable set by the
 # caller and without flashinfer on the server's path, the servers get VLLM_USE_FLASHINFER_SAMPLER=0:
-# vLLM's native top-k/top-p sampling, what 0.20.2 fell back to on its own (recorded in vllm_env).
+# vLLM's native top-k/top-p sampling, 0.20.2's default (there FlashInfer's sampler was opt-in; recorded in vllm_env).
 FLASHINFER_NOTE = "VLLM_USE_FLASHINFER_SAMPLER=0: flashinfer is not installed where the server imports from"
 
 

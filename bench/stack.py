@@ -348,6 +348,8 @@ def cmd_boot(a: argparse.Namespace) -> int:
     save_state(a.label, st)
     say(f"{a.label}: vllm serve started (pid {proc.pid}, port {a.port}, GPU {gpu or 'any'}, config {a.config}, "
         f"KV {a.kv}, MTP {a.mtp})")
+    if env.get("VLLM_USE_FLASHINFER_SAMPLER") == "0" and "VLLM_USE_FLASHINFER_SAMPLER" not in os.environ:
+        say(f"{a.label}: {FLASHINFER_NOTE}")
     rc = wait(a.label, a.wait) if a.wait > 0 else 0
     collect(a.label)
     return rc

@@ -25,6 +25,7 @@ from vllm_overlay import core, versions, wheels
 from vllm_overlay.mechanisms import wrap as wrapmech
 from vllm_overlay.mechanisms.install import install
 from vllm_overlay.patches import turboquant_spec_decode as tsd
+from vllm_overlay.report import STATE
 
 # ---- the decision ------------------------------------------------------------------------------
 
@@ -111,6 +112,44 @@ def test_build_reads_the_cpu_lengths_only() -> None:
     cam = _cam([3, 3], [50, 60])
     cam.query_start_loc = torch.full_like(cam.query_start_loc, -7)
     assert getattr(tsd._build(_stock_build, _builder(2), (0, cam), {}), tsd.MARK) == 3
+
+
+def _upper_bound_build(common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False) -> Any:
+    # what the 0.22.0+ builder does with the lengths: seq_lens_cpu from the upper bound
+    cam = common_attn_metadata
+    return SimpleNamespace(is_prefill=cam.max_query_len > 1, seq_lens_cpu=cam.seq_lens_cpu_upper_bound)
+
+
+def _async_builder(k: int, async_scheduling: bool) -> SimpleNamespace:
+    b = _builder(k)
+    b.vllm_config.scheduler_config = SimpleNamespace(async_scheduling=async_scheduling)
+    return b
+
+
+@pytest.mark.parametrize("lens,upper,exact,async_on,want_exact", [
+    ([1, 4, 300], [101, 10, 300], [101, 8, 300], True, True),  # a verify row whose 2 drafts were rejected
+    ([4, 300], [10, 300], [8, 300], True, True),  # no decode rows
+    ([1, 300], [101, 300], [101, 300], True, False),  # no row can be a verify row: no host copy
+    ([1, 4, 300], [101, 10, 300], [101, 8, 300], False, False),  # without async scheduling it is exact
+    ([4, 4], [10, 12], [8, 12], True, False),  # a uniform verify batch: the kernel reads device lengths
+])
+def test_build_gives_prefill_batches_with_verify_rows_the_exact_lengths(
+        lens: list[int], upper: list[int], exact: list[int], async_on: bool, want_exact: bool) -> None:
+    """0.22.0+: vLLM's prefill loop reads seq_lens_cpu, filled from seq_lens_cpu_upper_bound, which
+    with async scheduling assumes every draft was accepted; the wrapper swaps in the exact lengths
+    for batches it leaves to that loop when a row can be a verify row."""
+    cam = _cam(lens, exact)
+    cam.seq_lens_cpu_upper_bound = torch.tensor(upper, dtype=torch.int32)
+    before = STATE.counters.get("tq_exact_seq_lens_batches", 0)
+    meta = tsd._build(_upper_bound_build, _async_builder(3, async_on), (0, cam), {})
+    assert meta.seq_lens_cpu.tolist() == (exact if want_exact else upper)
+    assert STATE.counters.get("tq_exact_seq_lens_batches", 0) == before + int(want_exact)
+
+
+def test_build_leaves_0_20_metadata_alone() -> None:
+    # 0.20.x's metadata has no seq_lens_cpu (vLLM's loop reads the device lengths there)
+    meta = tsd._build(_stock_build, _async_builder(3, True), (0, _cam([1, 4, 300], [101, 8, 300])), {})
+    assert not hasattr(meta, "seq_lens_cpu") and getattr(meta, tsd.MARK) is None
 
 
 # ---- the forward wrapper's routing -----------------------------------------------------------------
@@ -234,6 +273,9 @@ def test_backend_is_what_the_wrappers_expect(version: str, store_hashes: dict[st
     else:  # host lengths from CPU copies: capturable, but fixed at capture
         assert "qsl = attn_metadata.query_start_loc_cpu.tolist()" in src
         assert "seq_lens_cpu=cam.seq_lens_cpu_upper_bound," in src
+        # the loop and the mixed path read meta.seq_lens_cpu, which _exact_seq_lens replaces
+        assert "seq_lens_list = attn_metadata.seq_lens_cpu.tolist()" in src
+        assert "seq_lens_cpu=attn_metadata.seq_lens_cpu[num_decodes:]" in src
         assert "synth_seq_lens = _arange_cache[cached_len + 1 : seq_len + 1]" in src
     # the signatures _build and _forward bind by position
     assert "    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):\n" in src

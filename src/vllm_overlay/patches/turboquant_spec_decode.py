@@ -25,8 +25,11 @@ padded CUDA-graph batch has them, are allowed). Such a batch is marked on its me
 TurboQuant kernel (``vllm_overlay.kernels.tq_verify``): one launch for the whole batch, lengths
 read on the device, causal within each request's query tokens, capturable and replayable with
 other lengths. Every other batch (decode with q_len 1, prefill, mixed, q_len above
-1 + num_speculative_tokens) takes vLLM's own path unchanged. Without a speculative config the
-patch stands aside (nothing is marked).
+1 + num_speculative_tokens) takes vLLM's own path, with one change from 0.22.0: when such a batch
+holds rows that can be verify rows and async scheduling is on, its ``seq_lens_cpu`` gets the exact
+lengths (one host copy) in place of vLLM's upper bound, which assumes every draft was accepted
+(``_exact_seq_lens``). Without a speculative config the patch stands aside (nothing is marked).
+(turboquant-prefill-continuation keeps such batches off the backend's no-cache fast path.)
 
 The backend's source, by sha256 of turboquant_attn.py: 0.20.0-0.20.2; 0.22.0-0.23.0 (the CPU
 copies); 0.24.0-0.25.1 (+ a workspace reservation); 0.26.0 (the cache becomes head-major,
@@ -93,6 +96,9 @@ _CPU_COPIES = (
     Proof(TQ_ATTN, "qsl = attn_metadata.query_start_loc_cpu.tolist()"),
     Proof(TQ_ATTN, "seq_lens_cpu=cam.seq_lens_cpu_upper_bound,"),
     Proof(TQ_ATTN, "if q_len == seq_len:"),
+    # what _exact_seq_lens replaces is what the loop and the mixed path read
+    Proof(TQ_ATTN, "seq_lens_list = attn_metadata.seq_lens_cpu.tolist()"),
+    Proof(TQ_ATTN, "seq_lens_cpu=attn_metadata.seq_lens_cpu[num_decodes:]"),
 )
 
 SPEC = PatchSpec(
@@ -145,6 +151,7 @@ SPEC = PatchSpec(
 
 _FIRST = threading.Event()
 _SOA = threading.Event()
+_EXACT = threading.Event()
 
 
 # ---- the dispatch decision (pure) ---------------------------------------------------------------
@@ -216,7 +223,42 @@ def _build(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str,
     setattr(meta, MARK, q_len)
     if q_len:
         STATE.count("tq_verify_as_decode_batches")
+    elif cam is not None:
+        _exact_seq_lens(instance, cam, meta, k)
     return meta
+
+
+def _exact_seq_lens(builder: Any, cam: Any, meta: Any, k: int) -> None:
+    """0.22.0+: a batch left to vLLM's prefill path reads ``seq_lens_cpu``, which the builder fills
+    from ``seq_lens_cpu_upper_bound``: exact for prefill rows, but with async scheduling it assumes
+    that every draft of a request's previous step was accepted (vLLM's own docstring: "not safe for
+    kernels that need exact per-row context lengths on decode rows"). Verify rows of a mixed or
+    prefill batch would then attend past their real context, to rejected drafts' slots. When such
+    a batch holds a row that can be a verify row (2 <= q_len <= 1 + k), the exact lengths are
+    copied to the host instead: one device sync for that step, outside any CUDA graph (these
+    batches are not captured). Uniform verify batches do not need it: the kernel reads the device
+    lengths."""
+    if getattr(meta, "seq_lens_cpu", None) is None or not getattr(meta, "is_prefill", False):
+        return  # 0.20.x (no CPU copy: vLLM reads the device lengths) or a decode batch
+    sched = getattr(builder.vllm_config, "scheduler_config", None)
+    if not getattr(sched, "async_scheduling", True):
+        return  # without async scheduling the upper bound is exact
+    starts = cam.query_start_loc_cpu
+    if not any(2 <= n <= 1 + k for n in (starts[1:] - starts[:-1]).tolist()):
+        return
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return
+    meta.seq_lens_cpu = cam.seq_lens.to("cpu")
+    STATE.count("tq_exact_seq_lens_batches")
+    if not _EXACT.is_set():
+        _EXACT.set()
+        msg = ("turboquant-spec-decode: a prefill or mixed batch with verify rows reads the exact "
+               "sequence lengths (one host copy for such a step), not vLLM's upper bound that assumes "
+               "every draft was accepted (counted in tq_exact_seq_lens_batches)")
+        LOG.info(msg)
+        STATE.event(msg)
 
 
 def _forward(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -44,7 +44,8 @@ _COMMON = (
     Proof(TQ_ATTN, "cu_seqlens_k=attn_metadata.query_start_loc,"),
     Proof(TQ_ATTN, "if q_len == seq_len:"),  # the loop serves fresh requests on their own
     Proof(TQ_ATTN, "attn_metadata: TurboQuantMetadata,"),
-    Proof(TQ_ATTN, "max_seq_len: int = 0"),  # a dataclass field: dataclasses.replace can set it
+    Proof(TQ_ATTN, "@dataclass\nclass TurboQuantMetadata"),  # dataclasses.replace makes the copy
+    Proof(TQ_ATTN, "max_seq_len: int = 0"),  # ... with this field set
 )
 
 SPEC = PatchSpec(

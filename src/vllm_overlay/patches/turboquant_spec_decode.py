@@ -241,8 +241,8 @@ def _exact_seq_lens(builder: Any, cam: Any, meta: Any, k: int) -> None:
     if getattr(meta, "seq_lens_cpu", None) is None or not getattr(meta, "is_prefill", False):
         return  # 0.20.x (no CPU copy: vLLM reads the device lengths) or a decode batch
     sched = getattr(builder.vllm_config, "scheduler_config", None)
-    if not getattr(sched, "async_scheduling", True):
-        return  # without async scheduling the upper bound is exact
+    if getattr(sched, "async_scheduling", None) is False:
+        return  # without async scheduling the upper bound is exact (None, unresolved: copy anyway)
     starts = cam.query_start_loc_cpu
     if not any(2 <= n <= 1 + k for n in (starts[1:] - starts[:-1]).tolist()):
         return

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shlex
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import time
 import pytest
 
 from conftest import clean_env
+from test_bench_stack import parse, plan_series_calls
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "bench")
@@ -27,10 +27,6 @@ import stack  # noqa: E402
 sys.path.remove(BENCH)
 
 PLAN = os.path.join(BENCH, "memory_headroom_plan.md")
-
-
-def parse(argv: list[str]):  # type: ignore[no-untyped-def]
-    return stack.build_parser().parse_args(argv)
 
 
 def boot_of(label: str):  # type: ignore[no-untyped-def]
@@ -126,16 +122,8 @@ def test_the_plan_runs_as_written() -> None:
     """Every device command of the plan fits a call (2,000 characters, one line) and parses; the
     series it names exists with the labels the plan lists; the merge names every label."""
     text = open(PLAN).read()
-    blocks = re.findall(r"```\n(.*?)\n```", text, re.S)
-    device = [b for b in blocks if "series" in b and "merge" not in b]
-    assert len(device) == 2
-    for cmd in device:
-        assert len(cmd) <= 2000 and "\n" not in cmd
-        for part in cmd.split(";"):
-            argv = shlex.split(re.sub(r"\$\(\([^)]*\)\)", "500", part))
-            if argv[:2] == ["python3", "bench/stack.py"]:
-                a = parse(argv[2:])
-                assert a.step == "series" and a.compact and a.name == "issue15" and not a.labels
+    blocks, _, calls = plan_series_calls(text, "issue15", 2)
+    assert calls and all(not a.labels for a in calls)
     merge = next(b for b in blocks if "merge" in b).splitlines()[0]
     m = parse(shlex.split(merge)[2:])
     assert m.step == "merge" and [r.split("=")[0] for r in m.runs] == [x for x, _ in stack.SERIES["issue15"]["items"]]

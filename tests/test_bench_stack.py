@@ -6,6 +6,7 @@ driven through `series` across two "calls" (engine-marked)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -739,14 +740,16 @@ def test_issue13_series_edges_on_cpu(tmp_path) -> None:  # type: ignore[no-untyp
     assert ev["built"] == ["V1"] and ev["guard_trips"] == 1 and ev["capacity_error"]
 
 
-def plan_series_calls(text: str, name: str, count: int) -> tuple[list[str], list[str]]:
-    """A device plan's code blocks, and the ``count`` blocks that run ``series NAME``: each fits a device
-    call (2,000 characters, one line) and each `stack.py` in it parses as `series NAME --compact` with
-    a deadline of 570 s (or the first call's remainder) and labels of that series."""
+def plan_series_calls(text: str, name: str, count: int) -> tuple[list[str], list[str], list[argparse.Namespace]]:
+    """A device plan's code blocks, the ``count`` blocks that run ``series NAME``, and the parsed
+    `stack.py` calls in them: each block fits a device call (2,000 characters, one line) and each
+    `stack.py` in it parses as `series NAME --compact` with a deadline of 570 s (or the first call's
+    remainder) and labels of that series."""
     blocks = re.findall(r"```\n(.*?)\n```", text, re.S)
     device = [b for b in blocks if f"series {name}" in b]
     assert len(device) == count
     known = {x for x, _, _ in stack.series_items(stack.SERIES[name])}
+    calls = []
     for cmd in device:
         assert len(cmd) <= 2000 and "\n" not in cmd
         found = re.findall(r"python3 bench/stack.py ([^;&|>]*)", re.sub(r"\$\(\([^)]*\)\)", "500", cmd))
@@ -755,7 +758,8 @@ def plan_series_calls(text: str, name: str, count: int) -> tuple[list[str], list
             a = parse(shlex.split(rest))
             assert a.step == "series" and a.name == name and a.compact and a.deadline in (570, 500)
             assert set(filter(None, a.labels.split(","))) <= known
-    return blocks, device
+            calls.append(a)
+    return blocks, device, calls
 
 
 V2_PLAN = os.path.join(BENCH, "v2_plan.md")
@@ -766,7 +770,7 @@ def test_the_v2_plan_runs_as_written() -> None:
     `stack.py` in it parses as `series issue13 --compact`; the staging calls carry every part of
     .gpu/0.26.0 (MANIFEST first); the merge names the series' labels."""
     text = open(V2_PLAN).read()
-    blocks, device = plan_series_calls(text, "issue13", 3)
+    blocks, device, _ = plan_series_calls(text, "issue13", 3)
     assert "bash bench/gpu/device_install.sh 0.26.0" in device[0] and os.path.isfile(
         os.path.join(BENCH, "gpu", "device_install.sh"))
     rows = [ln for ln in text.splitlines() if re.match(r"\| [1-5] \|", ln)]
@@ -1059,7 +1063,7 @@ def test_the_tqspec_plan_runs_as_written() -> None:
     bench/v2_plan.md's device_install.sh; the merge names the series' labels in its order; the plan states
     the verdict's thresholds as stack.py has them."""
     text = open(TQSPEC_PLAN).read()
-    blocks, device = plan_series_calls(text, "tqspec", 4)
+    blocks, device, _ = plan_series_calls(text, "tqspec", 4)
     known = [x for x, _, _ in stack.series_items(stack.SERIES["tqspec"])]
     assert "bash bench/gpu/device_install.sh 0.26.0" in next(b for b in device if "SECONDS" in b)
     merge = next(b for b in blocks if "merge" in b).splitlines()[0]

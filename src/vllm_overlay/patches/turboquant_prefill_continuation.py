@@ -104,13 +104,13 @@ def _prefill_attention(wrapped: Any, instance: Any, args: tuple[Any, ...], kwarg
     if meta is None or meta.max_query_len != meta.max_seq_len:
         return wrapped(*args, **kwargs)  # vLLM's own decision is already the loop
     lengths = _lengths(meta)
-    if lengths is None or not continuation_rows(*lengths):
+    rows = continuation_rows(*lengths) if lengths is not None else []
+    if not rows:
         return wrapped(*args, **kwargs)  # every request fresh: the fast path is right
     safe = dataclasses.replace(meta, max_seq_len=int(meta.max_query_len) + 1)
     STATE.count("tq_prefill_fast_path_avoided")
     if not _FIRST.is_set():
         _FIRST.set()
-        rows = continuation_rows(*lengths)
         msg = (f"turboquant-prefill-continuation: a prefill batch of {len(lengths[0])} requests had "
                f"max_query_len == max_seq_len == {meta.max_query_len} while {len(rows)} of them have "
                "cached context: vLLM's per-request loop serves it, not the no-cache fast path (counted "

@@ -217,18 +217,24 @@ def _build(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str,
         return meta
     cam = kwargs.get("common_attn_metadata", args[1] if len(args) > 1 else None)
     q_len = None
+    lens = None
     if cam is not None and 1 < int(cam.max_query_len) <= 1 + k:
-        starts = cam.query_start_loc_cpu  # a CPU tensor: no device sync
-        q_len = verify_query_len((starts[1:] - starts[:-1]).tolist(), k)
+        lens = _query_lens(cam)
+        q_len = verify_query_len(lens, k)
     setattr(meta, MARK, q_len)
     if q_len:
         STATE.count("tq_verify_as_decode_batches")
     elif cam is not None:
-        _exact_seq_lens(instance, cam, meta, k)
+        _exact_seq_lens(instance, cam, meta, k, lens)
     return meta
 
 
-def _exact_seq_lens(builder: Any, cam: Any, meta: Any, k: int) -> None:
+def _query_lens(cam: Any) -> list[int]:
+    starts = cam.query_start_loc_cpu  # a CPU tensor: no device sync
+    return (starts[1:] - starts[:-1]).tolist()
+
+
+def _exact_seq_lens(builder: Any, cam: Any, meta: Any, k: int, lens: list[int] | None) -> None:
     """0.22.0+: a batch left to vLLM's prefill path reads ``seq_lens_cpu``, which the builder fills
     from ``seq_lens_cpu_upper_bound``: exact for prefill rows, but with async scheduling it assumes
     that every draft of a request's previous step was accepted (vLLM's own docstring: "not safe for
@@ -243,9 +249,8 @@ def _exact_seq_lens(builder: Any, cam: Any, meta: Any, k: int) -> None:
     sched = getattr(builder.vllm_config, "scheduler_config", None)
     if getattr(sched, "async_scheduling", None) is False:
         return  # without async scheduling the upper bound is exact (None, unresolved: copy anyway)
-    starts = cam.query_start_loc_cpu
-    if not any(2 <= n <= 1 + k for n in (starts[1:] - starts[:-1]).tolist()):
-        return
+    if not any(2 <= n <= 1 + k for n in (lens if lens is not None else _query_lens(cam))):
+        return  # lens: the query lengths _build already read, when it did
     import torch
 
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():

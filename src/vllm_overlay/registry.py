@@ -11,6 +11,7 @@ PATCH_MODULES: tuple[str, ...] = (
     "vllm_overlay.patches.hybrid_turboquant",
     "vllm_overlay.patches.turboquant_spec_decode",
     "vllm_overlay.patches.turboquant_prefill_continuation",
+    "vllm_overlay.patches.turboquant_v1_kv_shape",
     "vllm_overlay.patches.moe_configs",
     "vllm_overlay.patches.prometheus_metrics",
 )

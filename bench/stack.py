@@ -42,8 +42,7 @@ VLLM_USE_V2_MODEL_RUNNER, pass through; `--env` sets more for one server and the
 server's VLLM_* variables. Several servers run side by side with their own LABEL, --port and --gpu
 (CUDA_VISIBLE_DEVICES, in nvidia-smi's order). `steps` and `logprobs` are described in
 bench/serve_measure.py; the plans of device calls: bench/tq_mtp_steps_plan.md (issue 14's
-measurements), bench/v2_plan.md (issue 13's proof on Model Runner V2), bench/tq_spec_026_plan.md
-(TurboQuant + MTP verify steps on vLLM 0.26.0, with and without the overlay's patch),
+measurements), bench/v2_plan.md (issue 13's proof on Model Runner V2),
 bench/memory_headroom_plan.md (issue 15's memory under traffic, `memory`: bench/memory_serve.py).
 """
 
@@ -311,6 +310,8 @@ def serve_args(a: argparse.Namespace) -> list[str]:
         cmd += ["--max-num-seqs", str(a.max_num_seqs)]
     if a.max_capture:
         cmd += ["--max-cudagraph-capture-size", str(a.max_capture)]
+    if a.kv_bytes:
+        cmd += ["--kv-cache-memory-bytes", str(a.kv_bytes)]
     return cmd + (shlex.split(a.extra) if a.extra else [])
 
 
@@ -323,6 +324,9 @@ def cmd_boot(a: argparse.Namespace) -> int:
     gpu = check_gpu(a.gpu)
     if a.mtp < 0:
         sys.exit(f"stack: boot --mtp {a.mtp}: expected 0 (no speculative decoding) or a number of tokens >= 1")
+    if a.kv_bytes is not None and a.kv_bytes < 1:
+        sys.exit(f"stack: boot --kv-bytes {a.kv_bytes}: expected a number of bytes >= 1 (leave it out: vLLM "
+                 "sizes the KV cache from its memory profiling)")
     extra = shlex.split(a.extra) if a.extra else []
     shutil.rmtree(d, ignore_errors=True)
     os.makedirs(os.path.join(d, "reports"))
@@ -343,7 +347,8 @@ def cmd_boot(a: argparse.Namespace) -> int:
           "vllm_args": {"tp": a.tp, "ep": a.ep, "kv_cache_dtype": a.kv, "mtp": a.mtp, "mnbt": a.mnbt,
                         "max_model_len": a.max_model_len, "gpu_memory_utilization": a.mem,
                         "spec_method": a.spec_method if a.mtp else None, "max_num_seqs": a.max_num_seqs,
-                        "max_cudagraph_capture_size": a.max_capture, "extra": extra, "model": a.model},
+                        "max_cudagraph_capture_size": a.max_capture, "kv_cache_memory_bytes": a.kv_bytes,
+                        "extra": extra, "model": a.model},
           "started": time.time(), "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     save_state(a.label, st)
     say(f"{a.label}: vllm serve started (pid {proc.pid}, port {a.port}, GPU {gpu or 'any'}, config {a.config}, "
@@ -1155,7 +1160,7 @@ def cmd_merge(a: argparse.Namespace) -> int:
 # (runs, comparisons) whose lines the series prints at the end and merge prints and records. Steps run
 # first, then memory; stress and logprobs in the order the item names them.
 #
-# TurboQuant + MTP on vLLM 0.26.0 (bench/tq_spec_026_plan.md): the logprobs of the verify steps with the
+# TurboQuant + MTP on vLLM 0.26.0: the logprobs of the verify steps with the
 # overlay's turboquant-spec-decode off (stock vLLM's path) and on, each against the same model without
 # MTP. The 35B geometry's first 8 layers (two full-attention layers with the 35B's heads): the tiny
 # hybrid's dummy-weight logprobs move too little for the fault to show (bench/tq_spec_effect_cpu.py).
@@ -1246,6 +1251,15 @@ def tqspec_verdict(runs: dict[str, dict[str, Any]], pairs: dict[str, Any]) -> li
     if not any(r.startswith(("on", "off")) for r in roles):
         return []
     out, state = [], {}
+    for name, r in runs.items():  # stock vLLM with TurboQuant: does it boot on the runner asked for?
+        if r.get("config") != "stock":
+            continue
+        runner = "V2" if runner_env(r) == "1" else "V1"
+        if r.get("healthy_after_s") is None:
+            out.append(f"{name} (stock vLLM, TurboQuant, {runner}): died at boot: {r.get('failure_class') or '-'}; "
+                       f"{'; '.join((r.get('first_error_lines') or [])[:2])}")
+        else:
+            out.append(f"{name} (stock vLLM, TurboQuant, {runner}): served after {r['healthy_after_s']} s")
     for role in ("reference", "reference V2", "off", "on", "off V2", "on V2"):
         name = roles.get(role)
         if name is None:
@@ -1324,16 +1338,23 @@ SERIES: dict[str, dict[str, Any]] = {
         "boot": "--config overlay --model qwen36-35b-a3b-slice8 --kv turboquant_k8v4 --max-capture 128",
         # 16 greedy tokens: the first from the prefill, 15 from verify steps over a cached context of 16-8,000 tokens
         "logprobs": "--prompts 6 --lengths 16,512,1024,2000,4000,8000 --max-tokens 16 --top 20 --out lp",
-        "stress": "--min-band 20 --duration 45",  # the patch's kernel among prefills, after its logprobs
+        # the patch's kernel among band prefills, after its logprobs: at least 200 forwards in (4096, 8192]
+        "stress": "--min-band 200 --duration 240",
         "fallbacks": ("headroom",),  # a failed boot of the stock path is a finding, not retried
         "compare": (("tq-mtp-off", "tq-nomtp", "lp"), ("tq-mtp-on", "tq-nomtp", "lp"),
-                    ("tq-mtp-on-v2", "tq-nomtp", "lp")),
+                    ("tq-mtp-off-v2", "tq-nomtp-v2", "lp"), ("tq-mtp-on-v2", "tq-nomtp-v2", "lp")),
         "verdict": tqspec_verdict,
-        "items": [("tq-nomtp", "--mtp 0 --env VLLM_USE_V2_MODEL_RUNNER=0", ("logprobs",)),
+        # the patch's V1 run first: side by side on one GPU (--gpus 0,0,...) it is the server that sizes its KV
+        # cache by vLLM's own profiling, alone; stock vLLM on V1 last (on 0.25.0-0.26.0 it dies at boot)
+        "items": [("tq-mtp-on", "--mtp 3 --env VLLM_USE_V2_MODEL_RUNNER=0", ("logprobs", "stress")),
+                  ("tq-nomtp", "--mtp 0 --env VLLM_USE_V2_MODEL_RUNNER=0", ("logprobs",)),
                   ("tq-mtp-off", f"--mtp 3 --env VLLM_USE_V2_MODEL_RUNNER=0 --overlay-env "
                                  f"VLLM_OVERLAY_DISABLE={TQSPEC_PATCH}", ("logprobs",)),
-                  ("tq-mtp-on", "--mtp 3 --env VLLM_USE_V2_MODEL_RUNNER=0", ("logprobs", "stress")),
-                  ("tq-mtp-on-v2", "--mtp 3 --env VLLM_USE_V2_MODEL_RUNNER=1", ("logprobs",))],
+                  ("tq-mtp-on-v2", "--mtp 3 --env VLLM_USE_V2_MODEL_RUNNER=1", ("logprobs", "stress")),
+                  ("tq-nomtp-v2", "--mtp 0 --env VLLM_USE_V2_MODEL_RUNNER=1", ("logprobs",)),
+                  ("tq-mtp-off-v2", f"--mtp 3 --env VLLM_USE_V2_MODEL_RUNNER=1 --overlay-env "
+                                    f"VLLM_OVERLAY_DISABLE={TQSPEC_PATCH}", ("logprobs",)),
+                  ("tq-stock", "--config stock --mtp 0 --env VLLM_USE_V2_MODEL_RUNNER=0", ("logprobs",))],
     },
 }
 # Issue 15's memory proof (bench/memory_headroom_plan.md): no MTP, utilization 0.97, graphs up to 128
@@ -1406,13 +1427,42 @@ def stress_verdict(label: str) -> dict[str, Any]:
     return {k: r.get(k) for k in ("verdict", "band_forwards", "requests_ok", "requests_failed", "guard_trips")}
 
 
+KV_SIZED = " KV cache size: "  # vLLM's log line once a server's KV cache is sized ("GPU KV cache size: N tokens")
+STAGGER_MAX_S = 420  # a server that logged no KV cache size by then does not hold the next one back
+
+
+def stagger_gate(prev: str, stagger: float, t_end: float) -> bool:
+    """Wait until the server of ``prev`` (the label before this one on the same GPU) started ``stagger``
+    seconds ago and, unless its KV cache has a fixed size, has sized its KV cache or stopped: vLLM's
+    memory profiling reads the GPU's free memory, so another server's allocations during it move its KV
+    budget. False when the deadline comes first (the next call waits on)."""
+    said = False
+    while time.time() < t_end - 5:
+        st = series_state(prev)
+        if st is not None:
+            age = time.time() - st["started"]
+            fixed = (st.get("vllm_args") or {}).get("kv_cache_memory_bytes")
+            sized = fixed or KV_SIZED in serve_log(prev) or not alive(st["pid"])
+            if age >= stagger and (sized or age >= STAGGER_MAX_S):
+                if not sized:
+                    say(f"series: {prev} has not sized its KV cache after {age:.0f} s; the next server starts anyway")
+                return True
+        if not said:
+            say(f"series: waiting for {prev} (started {stagger:.0f} s before, KV cache sized) before the next boot "
+                "on its GPU")
+            said = True
+        time.sleep(2)
+    return False
+
+
 def run_series_queue(name: str, items: list[tuple[str, list[str], tuple[str, ...]]], gpu: str | None,
-                     t_end: float, opts: dict[str, Any]) -> None:
+                     t_end: float, opts: dict[str, Any], after: str | None = None) -> None:
     """Each label in turn on one GPU: boot, wait, what its item asks for (steps resumed in the next call
     when time runs out), stop; the next label's boot starts at once, so it goes on between calls.
     opts: steps/stress/guard_stress/logprobs/memory (argument lists, or None), memory_least_s, fallbacks,
-    expect_runner."""
-    for label, boot_args, phases in items:
+    expect_runner, stagger. ``after``: the first label of the queue before this one on the same GPU,
+    which this queue's first boot waits for (stagger_gate)."""
+    for index, (label, boot_args, phases) in enumerate(items):
         while True:
             if ABORTED:
                 return
@@ -1424,6 +1474,8 @@ def run_series_queue(name: str, items: list[tuple[str, list[str], tuple[str, ...
             if left < 5:
                 return
             if st is None:
+                if index == 0 and after is not None and not stagger_gate(after, opts["stagger"], t_end):
+                    return
                 dispatch(["boot", label, *boot_args, *(["--gpu", gpu] if gpu is not None else []), "--wait", "0"])
                 if series_state(label) is None:
                     REFUSED[label] = "boot refused its arguments (see above)"
@@ -1651,11 +1703,23 @@ def cmd_series(a: argparse.Namespace) -> int:
         sys.exit(f"stack: series {a.name} --expect-runner {a.expect_runner!r}: expected V1, V2 or '' (no check)")
     queues: list[list[tuple[str, list[str], tuple[str, ...]]]] = [[] for _ in gpus]
     by_label = {label: (boot, phases) for label, boot, phases in items}
+    if a.stagger < 0 or a.fixed_kv is not None and a.fixed_kv < 1:
+        sys.exit(f"stack: series {a.name}: --stagger {a.stagger} / --fixed-kv {a.fixed_kv}: expected seconds >= 0 "
+                 "and a number of bytes >= 1")
+    first_on_gpu = {g: gpus.index(g) for g in gpus}  # the queue whose server profiles its KV cache alone
     for i, label in enumerate(labels):
         boot, phases = by_label[label]
         port = str(a.base_port + known.index(label))
         args = [*shlex.split(spec["boot"]), *shlex.split(boot), "--port", port, *shlex.split(a.boot_extra)]
-        queues[i % len(gpus)].append((label, args, phases))
+        q = i % len(gpus)
+        if a.fixed_kv and q != first_on_gpu[gpus[q]]:
+            args += ["--kv-bytes", str(a.fixed_kv)]
+        queues[q].append((label, args, phases))
+    # queues on one GPU start one after another (stagger_gate); each waits for the previous one's first label
+    after: list[str | None] = [None] * len(gpus)
+    for q, g in enumerate(gpus):
+        before = [p for p in range(q) if gpus[p] == g and queues[p]]
+        after[q] = queues[before[-1]][0][0] if before and queues[q] else None
 
     def args_of(key: str, given: str | None) -> list[str] | None:
         text = given if given is not None else spec.get(key)
@@ -1667,7 +1731,8 @@ def cmd_series(a: argparse.Namespace) -> int:
         "memory_least_s": spec.get("least_budget_s", SERIES_MEMORY_LEAST_S),
         "guard_stress": args_of("guard_stress", a.guard_stress),
         "logprobs": None if a.no_logprobs else args_of("logprobs", a.logprobs),
-        "fallbacks": tuple(spec.get("fallbacks", ("headroom", "max-capture"))), "expect_runner": expect}
+        "fallbacks": tuple(spec.get("fallbacks", ("headroom", "max-capture"))), "expect_runner": expect,
+        "stagger": a.stagger}
     for key in ("stress", "guard_stress"):  # how long a stress may take decides whether it starts in this call
         opts[f"{key}_s"] = build_parser().parse_args(["stress", "x", *(opts[key] or [])]).duration
     wanted = {p for label in labels for p in by_label[label][1]}
@@ -1678,9 +1743,14 @@ def cmd_series(a: argparse.Namespace) -> int:
         sys.exit(f"stack: series {a.name}: its labels run {lacking} but the series gives no arguments for them")
     say(f"series {a.name}: {len(labels)} labels on GPU(s) {a.gpus or 'as visible'} until {a.deadline:.0f} s from now"
         + (f", {expect} model runner expected" if expect else "") + ": "
-        + "; ".join(f"GPU {g}: {', '.join(x for x, _, _ in q)}" for g, q in zip(gpus, queues)))
-    threads = [threading.Thread(target=run_series_queue, args=(a.name, q, g, t_end, opts), name=f"series-gpu{g}")
-               for g, q in zip(gpus, queues)]
+        + "; ".join(f"GPU {g}: {', '.join(x for x, _, _ in q)}" for g, q in zip(gpus, queues))
+        + (f"; servers side by side on one GPU start {a.stagger:.0f} s apart, each once the one before has sized "
+           "its KV cache" if len(set(gpus)) < len(gpus) else "")
+        + (f"; every server but the first on a GPU gets a fixed KV cache of {a.fixed_kv} bytes"
+           if a.fixed_kv and len(set(gpus)) < len(gpus) else ""))
+    threads = [threading.Thread(target=run_series_queue, args=(a.name, q, g, t_end, opts, after[i]),
+                                name=f"series-q{i}-gpu{g}")
+               for i, (g, q) in enumerate(zip(gpus, queues))]
     for t in threads:
         t.start()
     for t in threads:
@@ -1730,6 +1800,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "VLLM_USE_V2_MODEL_RUNNER=1")
     b.add_argument("--max-capture", type=int, default=None,
                    help="--max-cudagraph-capture-size (default: vLLM's; fewer graphs to capture at boot)")
+    b.add_argument("--kv-bytes", type=int, default=None,
+                   help="--kv-cache-memory-bytes: a KV cache of this size, no memory profiling of it (default: "
+                        "vLLM sizes it from --mem and its profiling)")
     b.add_argument("--additional-config", default='{"gdn_prefill_backend":"triton"}',
                    help="--additional-config JSON ('' leaves it out)")
     b.add_argument("--extra", default="",
@@ -1781,7 +1854,14 @@ def build_parser() -> argparse.ArgumentParser:
     se.add_argument("name", choices=tuple(SERIES))
     se.add_argument("--deadline", type=float, required=True, help="seconds from now to return by")
     se.add_argument("--labels", default="", help="which labels, in this order (default: the series' own)")
-    se.add_argument("--gpus", default="", help="GPUs side by side: labels go round-robin, one queue per GPU")
+    se.add_argument("--gpus", default="", help="GPUs side by side: labels go round-robin, one queue per entry; "
+                    "an entry repeated (0,0,0) runs that many servers side by side on that GPU")
+    se.add_argument("--stagger", type=float, default=60,
+                    help="servers side by side on one GPU: seconds between their starts, each also waiting until "
+                         "the one before has sized its KV cache (default 60)")
+    se.add_argument("--fixed-kv", type=int, default=None, metavar="BYTES",
+                    help="servers side by side on one GPU: every one but the first gets a KV cache of BYTES "
+                         "(--kv-bytes), so none of their sizes depends on another server's allocations")
     se.add_argument("--base-port", type=int, default=8011, help="a label's port: this + its index in the series")
     se.add_argument("--boot-extra", default="", help="more `boot` options for every label (one string)")
     se.add_argument("--steps", default=None, help="`steps` options instead of the series' own (one string)")

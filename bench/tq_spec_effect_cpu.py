@@ -1,5 +1,5 @@
 """How far the logprobs of a dummy-weight model move when its verify steps attend to the new tokens
-only: what a replayed TurboQuant verify graph of stock vLLM 0.22.0+ does (bench/tq_spec_026_plan.md),
+only: what a replayed TurboQuant verify graph of stock vLLM 0.22.0+ does,
 measured on the CPU build so that the GPU run can pick a model whose difference shows.
 
 On vLLM 0.22.0-0.33.0 a TurboQuant verify batch (1 + k tokens a request) is captured in a full CUDA

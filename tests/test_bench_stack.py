@@ -14,6 +14,8 @@ import shlex
 import socket
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -792,25 +794,27 @@ def test_serve_config_check_starts() -> None:
     assert p.returncode == 0 and "issue13" in p.stdout, p.stderr
 
 
-# ---- TurboQuant + MTP on vLLM 0.26.0: series tqspec (bench/tq_spec_026_plan.md) ------------------------
+# ---- TurboQuant + MTP verify steps: series tqspec ---------------------------------------------------
 
 
 def test_the_tqspec_series_is_what_the_plan_says() -> None:
     spec = stack.SERIES["tqspec"]
     items = stack.series_items(spec)
-    assert [(x, p) for x, _, p in items] == [("tq-nomtp", ("logprobs",)), ("tq-mtp-off", ("logprobs",)),
-                                             ("tq-mtp-on", ("logprobs", "stress")), ("tq-mtp-on-v2", ("logprobs",))]
+    assert [(x, p) for x, _, p in items] == [
+        ("tq-mtp-on", ("logprobs", "stress")), ("tq-nomtp", ("logprobs",)), ("tq-mtp-off", ("logprobs",)),
+        ("tq-mtp-on-v2", ("logprobs", "stress")), ("tq-nomtp-v2", ("logprobs",)), ("tq-mtp-off-v2", ("logprobs",)),
+        ("tq-stock", ("logprobs",))]
     for label, boot, _ in items:
         b = parse(["boot", label, *shlex.split(spec["boot"]), *shlex.split(boot)])
         assert (b.config, b.model, b.kv, b.max_capture, b.mnbt) == (
-            "overlay", "qwen36-35b-a3b-slice8", "turboquant_k8v4", 128, 8192)
-        assert b.mtp == (0 if label == "tq-nomtp" else 3) and b.spec_method == "qwen3_next_mtp"
+            "stock" if label == "tq-stock" else "overlay", "qwen36-35b-a3b-slice8", "turboquant_k8v4", 128, 8192)
+        assert b.mtp == (0 if "nomtp" in label or label == "tq-stock" else 3) and b.spec_method == "qwen3_next_mtp"
         assert b.env == f"VLLM_USE_V2_MODEL_RUNNER={1 if label.endswith('v2') else 0}"
         args = stack.serve_args(b)
         assert args[args.index("--kv-cache-dtype") + 1] == "turboquant_k8v4"
         assert ("--speculative-config" in args) == (b.mtp > 0)
         env = stack.server_env(b.config, b.overlay_env, b.env, None, "/r")
-        assert (env.get("VLLM_OVERLAY_DISABLE") == "turboquant-spec-decode") == (label == "tq-mtp-off")
+        assert (env.get("VLLM_OVERLAY_DISABLE") == "turboquant-spec-decode") == ("mtp-off" in label)
     # the model: the 35B geometry's first 8 layers, two of them full attention with the 35B's heads
     slice8 = json.load(open(os.path.join(BENCH, "models", "qwen36-35b-a3b-slice8.json")))
     full = json.load(open(os.path.join(BENCH, "models", "qwen36-35b-a3b-geometry.json")))
@@ -821,10 +825,10 @@ def test_the_tqspec_series_is_what_the_plan_says() -> None:
     lp = parse(["logprobs", "x", *shlex.split(spec["logprobs"])])
     assert (lp.prompts, lp.lengths, lp.max_tokens, lp.top, lp.out) == (6, "16,512,1024,2000,4000,8000", 16, 20, "lp")
     s = parse(["stress", "x", *shlex.split(spec["stress"])])
-    assert (s.min_band, s.duration) == (20, 45)
+    assert (s.min_band, s.duration) == (200, 240)
     assert spec["fallbacks"] == ("headroom",) and "expect_runner" not in spec
     assert [(x, y) for x, y, _ in spec["compare"]] == [("tq-mtp-off", "tq-nomtp"), ("tq-mtp-on", "tq-nomtp"),
-                                                      ("tq-mtp-on-v2", "tq-nomtp")]
+                                                      ("tq-mtp-off-v2", "tq-nomtp-v2"), ("tq-mtp-on-v2", "tq-nomtp-v2")]
 
 
 def tq_run(label: str, *, mtp: int = 3, disabled: bool = False, v2: bool = False, kv: str = "turboquant_k8v4",
@@ -960,7 +964,7 @@ def test_merge_prints_the_tqspec_verdict_for_the_series_runs_only(tmp_path, caps
 
 def test_series_runs_an_items_logprobs_before_its_stress(tmp_path, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
     """tq-mtp-on names logprobs before stress: its logprobs run first, and a call with room for them but not
-    for the stress (45 s + 90 s) says NOT DONE after them; the next call runs the stress, then stops. The
+    for the stress (240 s + 90 s) says NOT DONE after them; the next call runs the stress, then stops. The
     server is a sleeping process and the steps are recorded instead of run (no TurboQuant, no MTP on CPU:
     the real CPU server's course is test_tqspec_series_on_a_real_cpu_server)."""
     monkeypatch.setattr(stack, "STATE", str(tmp_path / "state"))
@@ -991,7 +995,7 @@ def test_series_runs_an_items_logprobs_before_its_stress(tmp_path, monkeypatch, 
         assert "NOT DONE" in capsys.readouterr().out
         assert stack.load_state("tq-mtp-on")["series"]["logprobs_rc"] == 0 and "stress_rc" not in \
             stack.load_state("tq-mtp-on")["series"]
-        rc = stack.main(["series", "tqspec", "--labels", "tq-mtp-on", "--deadline", "200"])
+        rc = stack.main(["series", "tqspec", "--labels", "tq-mtp-on", "--deadline", "400"])
         assert rc == 0 and [c[0] for c in calls] == ["logprobs", "stress", "stop"], calls
         mark = stack.load_state("tq-mtp-on")["series"]
         assert mark["done"] and mark["stress_rc"] == 0 and mark["logprobs_rc"] == 0
@@ -1001,20 +1005,82 @@ def test_series_runs_an_items_logprobs_before_its_stress(tmp_path, monkeypatch, 
             server.kill()
 
 
+def test_servers_side_by_side_on_one_gpu_start_after_the_first_sized_its_kv_cache(tmp_path, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    """--gpus 0,0,0: three queues on one GPU. The first server sizes its KV cache by vLLM's profiling, so
+    the second boots only once the first's log says its KV cache size; the others get --fixed-kv's size
+    (--kv-bytes) and wait only --stagger seconds. Servers are sleeping processes and the steps are
+    recorded, not run (the boot's own arguments are checked by test_the_tqspec_series_is_what_the_plan_says)."""
+    monkeypatch.setattr(stack, "STATE", str(tmp_path / "state"))
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    monkeypatch.setattr(stack, "REFUSED", {})
+    monkeypatch.setattr(stack, "ABORTED", {})
+    servers: list[subprocess.Popen] = []  # type: ignore[type-arg]
+    boots: dict[str, tuple[float, list[str]]] = {}
+    sized: dict[str, float] = {}
+
+    def fake_dispatch(argv: list[str]) -> int:
+        if argv[0] == "boot":
+            label = argv[1]
+            b = parse(argv)
+            server = subprocess.Popen(["sleep", "120"], start_new_session=True)
+            servers.append(server)
+            os.makedirs(os.path.join(stack.STATE, label, "reports"), exist_ok=True)
+            with open(os.path.join(stack.STATE, label, "serve.log"), "w") as f:
+                f.write("INFO starting\n")
+            stack.save_state(label, {"label": label, "pid": server.pid, "port": b.port, "config": b.config,
+                                     "started": time.time(), "healthy_after_s": 1.0,
+                                     "vllm_args": {"kv_cache_memory_bytes": b.kv_bytes}})
+            boots[label] = (time.time(), argv)
+            if label == "tq-mtp-on":  # vLLM's line comes a moment later
+                def later() -> None:
+                    time.sleep(1.5)
+                    with open(os.path.join(stack.STATE, label, "serve.log"), "a") as f:
+                        f.write("INFO [kv_cache_utils.py:2177] GPU KV cache size: 6,749,145 tokens\n")
+                    sized[label] = time.time()
+                threading.Thread(target=later).start()
+        return 0
+
+    monkeypatch.setattr(stack, "dispatch", fake_dispatch)
+    try:
+        rc = stack.main(["series", "tqspec", "--labels", "tq-mtp-on,tq-nomtp,tq-mtp-off", "--gpus", "0,0,0",
+                         "--fixed-kv", "123", "--stagger", "0.5", "--no-logprobs", "--deadline", "400"])
+    finally:
+        for server in servers:
+            server.kill()
+            server.wait()
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "servers side by side on one GPU start 0 s apart" in text or "start 1 s apart" in text, text
+    assert "every server but the first on a GPU gets a fixed KV cache of 123 bytes" in text
+    assert "--kv-bytes" not in boots["tq-mtp-on"][1]
+    for label in ("tq-nomtp", "tq-mtp-off"):
+        argv = boots[label][1]
+        assert argv[argv.index("--kv-bytes") + 1] == "123", argv
+    assert boots["tq-nomtp"][0] >= sized["tq-mtp-on"]  # not before the first server's KV cache was sized
+    assert boots["tq-mtp-off"][0] >= boots["tq-nomtp"][0] + 0.5  # a fixed KV cache: the stagger alone
+    assert "series: waiting for tq-mtp-on" in text
+    with pytest.raises(SystemExit, match="--stagger -1"):
+        stack.main(["series", "tqspec", "--stagger", "-1", "--deadline", "10"])
+
+
 @pytest.mark.engine
 def test_tqspec_series_on_a_real_cpu_server(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """`series tqspec` through `vllm serve` of the tiny hybrid on the CPU build, which has neither
     TurboQuant nor an MTP drafter nor Model Runner V2: bf16 KV (--kv auto) and ngram drafts stand in.
-    The three V1 labels serve and answer logprobs (tq-mtp-on's before its stress, which passes and records
-    the drafts and the overlay's counters it saw), tq-mtp-off's servers have turboquant-spec-decode off;
-    the V2 label stops at config time ("Model Runner V2 requires Triton") and is not booted again. The
-    series prints both comparisons against tq-nomtp and a verdict that tests nothing here (not
-    TurboQuant, ngram drafts, the V2 label never served); merge and the BENCHMARKS table carry it."""
+    Two servers side by side (--gpus 0,0: the CPU build ignores the GPU index): tq-mtp-on sizes its KV
+    cache from --mem, and tq-nomtp, with a fixed KV cache (--fixed-kv), boots only once vLLM logged
+    tq-mtp-on's KV cache size. The three V1 labels serve and answer logprobs (tq-mtp-on's before its
+    stress, which passes and records the drafts and the overlay's counters it saw), tq-mtp-off's
+    servers have turboquant-spec-decode off; the V2 label stops at config time ("Model Runner V2
+    requires Triton") and is not booted again. The series prints both comparisons against tq-nomtp
+    and a verdict that tests nothing here (not TurboQuant, ngram drafts, the V2 label never served);
+    merge and the BENCHMARKS table carry it."""
     state, out = str(tmp_path / "state"), str(tmp_path / "out")
     env = clean_env(STACK_STATE_DIR=state, OUT=out, PYTHONPATH=os.path.join(ROOT, "src"))
-    labels = ("tq-nomtp", "tq-mtp-off", "tq-mtp-on", "tq-mtp-on-v2")
+    labels = ("tq-mtp-on", "tq-nomtp", "tq-mtp-off", "tq-mtp-on-v2")
     cmd = [sys.executable, os.path.join(BENCH, "stack.py"), "series", "tqspec", "--compact",
-           "--base-port", str(free_port_block(5)), "--boot-extra", f"--kv auto --spec-method ngram {CPU_BOOT}",
+           "--labels", ",".join(labels), "--gpus", "0,0", "--fixed-kv", str(1 << 30), "--stagger", "5",
+           "--base-port", str(free_port_block(8)), "--boot-extra", f"--kv auto --spec-method ngram {CPU_BOOT}",
            "--stress", "--min-band 3 --duration 60", "--logprobs", "--prompts 3 --lengths 16,600,5000 --max-tokens 8 "
            "--out lp", "--deadline", "900"]
     try:
@@ -1027,6 +1093,10 @@ def test_tqspec_series_on_a_real_cpu_server(tmp_path) -> None:  # type: ignore[n
         assert f"series tqspec: {label}: done; healthy after" in p.stdout, log
     assert "series tqspec: tq-mtp-on-v2: FAILED: boot failed" in p.stdout and "booting again" not in p.stdout, log
     assert p.stdout.index("tq-mtp-on: logprobs prompt 0") < p.stdout.index("tq-mtp-on: stress for at most"), log
+    assert "series: waiting for tq-mtp-on" in p.stdout, log
+    first, second = (json.load(open(os.path.join(state, x, "state.json"))) for x in ("tq-mtp-on", "tq-nomtp"))
+    assert first["vllm_args"]["kv_cache_memory_bytes"] is None
+    assert second["vllm_args"]["kv_cache_memory_bytes"] == 1 << 30 and "--kv-cache-memory-bytes" in second["cmd"]
     for x in ("tq-mtp-off", "tq-mtp-on"):
         assert re.search(rf"series: logprobs {x} vs tq-nomtp \(lp\): first token, 3 prompts: top-1 equal 3/3",
                          p.stdout), log
@@ -1052,31 +1122,6 @@ def test_tqspec_series_on_a_real_cpu_server(tmp_path) -> None:  # type: ignore[n
     assert res["verdicts"]["tqspec"][-1] == "conclusion: none yet (stock path: not a test; the patch: not a test)"
     page = "\n".join(make_table.stack_section([str(result)]))
     assert "- tq-mtp-off (off): NOT A TEST: KV cache auto, not TurboQuant; drafter ngram" in page
-
-
-TQSPEC_PLAN = os.path.join(BENCH, "tq_spec_026_plan.md")
-
-
-def test_the_tqspec_plan_runs_as_written() -> None:
-    """bench/tq_spec_026_plan.md: every device command fits a call (2,000 characters, one line) and each
-    `stack.py` in it parses as `series tqspec --compact` with the series' labels; staging goes through
-    bench/v2_plan.md's device_install.sh; the merge names the series' labels in its order; the plan states
-    the verdict's thresholds as stack.py has them."""
-    text = open(TQSPEC_PLAN).read()
-    blocks, device, _ = plan_series_calls(text, "tqspec", 4)
-    known = [x for x, _, _ in stack.series_items(stack.SERIES["tqspec"])]
-    assert "bash bench/gpu/device_install.sh 0.26.0" in next(b for b in device if "SECONDS" in b)
-    merge = next(b for b in blocks if "merge" in b).splitlines()[0]
-    m = parse(shlex.split(merge)[2:])
-    assert m.step == "merge" and m.result == "bench/results/stack-tqspec-026-h200.json"
-    assert [r.split("=")[0] for r in m.runs] == known
-    assert f"max |diff| <= {stack.TQSPEC_EQUAL}" in text and f">= {stack.TQSPEC_DIFFERS}" in text
-    for name in ("bench/tq_spec_effect_cpu.py", "bench/models/qwen36-35b-a3b-slice8.json",
-                 "bench/results/bench-tiny-overlay-mnbt8192-k8v4-cap4096.json",
-                 "bench/results/stack-issue14-steps-h200.json"):
-        assert name in text and os.path.isfile(os.path.join(ROOT, name)), name
-    assert "tq_spec_026_plan.md" in open(V2_PLAN).read()
-    assert "tq_spec_026_plan.md" in open(os.path.join(BENCH, "gpu", "README.md")).read()
 
 
 def test_flashinfer_sampler_is_turned_off_only_where_flashinfer_is_missing(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -1706,6 +1706,9 @@ def cmd_series(a: argparse.Namespace) -> int:
     if a.stagger < 0 or a.fixed_kv is not None and a.fixed_kv < 1:
         sys.exit(f"stack: series {a.name}: --stagger {a.stagger} / --fixed-kv {a.fixed_kv}: expected seconds >= 0 "
                  "and a number of bytes >= 1")
+    if a.fixed_kv_mem is not None and not (0 < a.fixed_kv_mem <= 1 and a.fixed_kv):
+        sys.exit(f"stack: series {a.name}: --fixed-kv-mem {a.fixed_kv_mem}: expected a fraction in (0, 1], "
+                 "with --fixed-kv")
     first_on_gpu = {g: gpus.index(g) for g in gpus}  # the queue whose server profiles its KV cache alone
     for i, label in enumerate(labels):
         boot, phases = by_label[label]
@@ -1714,6 +1717,8 @@ def cmd_series(a: argparse.Namespace) -> int:
         q = i % len(gpus)
         if a.fixed_kv and q != first_on_gpu[gpus[q]]:
             args += ["--kv-bytes", str(a.fixed_kv)]
+            if a.fixed_kv_mem is not None:  # vLLM then checks only that this much is free at its start
+                args += ["--mem", str(a.fixed_kv_mem)]
         queues[q].append((label, args, phases))
     # queues on one GPU start one after another (stagger_gate); each waits for the previous one's first label
     after: list[str | None] = [None] * len(gpus)
@@ -1747,6 +1752,7 @@ def cmd_series(a: argparse.Namespace) -> int:
         + (f"; servers side by side on one GPU start {a.stagger:.0f} s apart, each once the one before has sized "
            "its KV cache" if len(set(gpus)) < len(gpus) else "")
         + (f"; every server but the first on a GPU gets a fixed KV cache of {a.fixed_kv} bytes"
+           + (f" and --mem {a.fixed_kv_mem}" if a.fixed_kv_mem is not None else "")
            if a.fixed_kv and len(set(gpus)) < len(gpus) else ""))
     threads = [threading.Thread(target=run_series_queue, args=(a.name, q, g, t_end, opts, after[i]),
                                 name=f"series-q{i}-gpu{g}")
@@ -1862,6 +1868,9 @@ def build_parser() -> argparse.ArgumentParser:
     se.add_argument("--fixed-kv", type=int, default=None, metavar="BYTES",
                     help="servers side by side on one GPU: every one but the first gets a KV cache of BYTES "
                          "(--kv-bytes), so none of their sizes depends on another server's allocations")
+    se.add_argument("--fixed-kv-mem", type=float, default=None, metavar="FRACTION",
+                    help="with --fixed-kv: those servers' --mem (vLLM then only checks that this fraction of the "
+                         "GPU is free when each starts; default: the series' or --boot-extra's)")
     se.add_argument("--base-port", type=int, default=8011, help="a label's port: this + its index in the series")
     se.add_argument("--boot-extra", default="", help="more `boot` options for every label (one string)")
     se.add_argument("--steps", default=None, help="`steps` options instead of the series' own (one string)")

@@ -1043,7 +1043,8 @@ def test_servers_side_by_side_on_one_gpu_start_after_the_first_sized_its_kv_cach
     monkeypatch.setattr(stack, "dispatch", fake_dispatch)
     try:
         rc = stack.main(["series", "tqspec", "--labels", "tq-mtp-on,tq-nomtp,tq-mtp-off", "--gpus", "0,0,0",
-                         "--fixed-kv", "123", "--stagger", "0.5", "--no-logprobs", "--deadline", "400"])
+                         "--fixed-kv", "123", "--fixed-kv-mem", "0.05", "--stagger", "0.5", "--no-logprobs",
+                         "--deadline", "400"])
     finally:
         for server in servers:
             server.kill()
@@ -1051,16 +1052,18 @@ def test_servers_side_by_side_on_one_gpu_start_after_the_first_sized_its_kv_cach
     text = capsys.readouterr().out
     assert rc == 0, text
     assert "servers side by side on one GPU start 0 s apart" in text or "start 1 s apart" in text, text
-    assert "every server but the first on a GPU gets a fixed KV cache of 123 bytes" in text
-    assert "--kv-bytes" not in boots["tq-mtp-on"][1]
+    assert "every server but the first on a GPU gets a fixed KV cache of 123 bytes and --mem 0.05" in text
+    assert "--kv-bytes" not in boots["tq-mtp-on"][1] and parse(boots["tq-mtp-on"][1]).mem == 0.82
     for label in ("tq-nomtp", "tq-mtp-off"):
         argv = boots[label][1]
-        assert argv[argv.index("--kv-bytes") + 1] == "123", argv
+        assert argv[argv.index("--kv-bytes") + 1] == "123" and parse(argv).mem == 0.05, argv
     assert boots["tq-nomtp"][0] >= sized["tq-mtp-on"]  # not before the first server's KV cache was sized
     assert boots["tq-mtp-off"][0] >= boots["tq-nomtp"][0] + 0.5  # a fixed KV cache: the stagger alone
     assert "series: waiting for tq-mtp-on" in text
     with pytest.raises(SystemExit, match="--stagger -1"):
         stack.main(["series", "tqspec", "--stagger", "-1", "--deadline", "10"])
+    with pytest.raises(SystemExit, match="--fixed-kv-mem 2.0: expected a fraction"):
+        stack.main(["series", "tqspec", "--fixed-kv", "1", "--fixed-kv-mem", "2", "--deadline", "10"])
 
 
 @pytest.mark.engine

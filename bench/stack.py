@@ -1256,8 +1256,10 @@ def tqspec_verdict(runs: dict[str, dict[str, Any]], pairs: dict[str, Any]) -> li
             continue
         runner = "V2" if runner_env(r) == "1" else "V1"
         if r.get("healthy_after_s") is None:
-            out.append(f"{name} (stock vLLM, TurboQuant, {runner}): died at boot: {r.get('failure_class') or '-'}; "
-                       f"{'; '.join((r.get('first_error_lines') or [])[:2])}")
+            errors = r.get("first_error_lines") or []
+            raised = [x for x in errors if re.search(r"\b\w+(Error|Exception): ", x)]
+            out.append(f"{name} (stock vLLM, TurboQuant, {runner}): died at boot: "
+                       + ((raised[0].split("] ")[-1] if raised else "; ".join(errors[:2])) or "see its log"))
         else:
             out.append(f"{name} (stock vLLM, TurboQuant, {runner}): served after {r['healthy_after_s']} s")
     for role in ("reference", "reference V2", "off", "on", "off V2", "on V2"):
@@ -1289,24 +1291,27 @@ def tqspec_verdict(runs: dict[str, dict[str, Any]], pairs: dict[str, Any]) -> li
             verdict, why = "not a test", f"the comparison alone: {verdict}; {why}"
         state[role] = verdict
         out.append(f"{name} vs {ref}: {verdict.upper()} ({why})")
-    off, on = state.get("off"), state.get("on")
-    if on == "differs" or state.get("on V2") == "differs":
-        out.append(f"conclusion: the PATCH GIVES OTHER LOGITS than TurboQuant without MTP on this release "
-                   f"({', '.join(k for k, v in state.items() if k.startswith('on') and v == 'differs')}): "
-                   f"keep {TQSPEC_PATCH} off here (VLLM_OVERLAY_DISABLE={TQSPEC_PATCH}) until that is understood")
-    elif off == "differs" and on == "equal":
-        out.append("conclusion: CONFIRMED: stock vLLM's verify steps on TurboQuant give other logits than no MTP, "
-                   "with no error; the patch's match: the need read from the sources holds on this release")
-    elif off == "died at boot" and on == "equal":
-        out.append("conclusion: CONFIRMED DIFFERENTLY: stock vLLM with MTP on TurboQuant dies at boot on this release "
-                   "(as on 0.20.x), not silently wrong; the patch serves and matches: revise the README's wording for "
-                   "this release")
-    elif off == "equal" and on == "equal":
-        out.append("conclusion: REFUTED: stock vLLM's verify steps match no MTP on this release: the source reading "
-                   "(replays attend to the new tokens only) is wrong here; revise the README section 'TurboQuant with "
-                   f"speculative decoding' and {TQSPEC_PATCH}'s docstring and Support rows from 0.22.0")
-    else:
-        out.append(f"conclusion: none yet (stock path: {off or 'not run'}; the patch: {on or 'not run'})")
+    for runner in ("", " V2"):
+        off, on = state.get("off" + runner), state.get("on" + runner)
+        if off is None and on is None:
+            continue
+        head = f"conclusion{' (V2)' if runner else ''}: "
+        if on == "differs":
+            out.append(head + "the PATCH GIVES OTHER LOGITS than TurboQuant without MTP on this release: keep "
+                       f"{TQSPEC_PATCH} off here (VLLM_OVERLAY_DISABLE={TQSPEC_PATCH}) until that is understood")
+        elif off == "differs" and on == "equal":
+            out.append(head + "CONFIRMED: stock vLLM's verify steps on TurboQuant give other logits than no MTP, "
+                       "with no error; the patch's match: the need read from the sources holds on this release")
+        elif off == "died at boot" and on == "equal":
+            out.append(head + "CONFIRMED DIFFERENTLY: stock vLLM with MTP on TurboQuant dies at boot on this release "
+                       "(as on 0.20.x), not silently wrong; the patch serves and matches: revise the README's wording "
+                       "for this release")
+        elif off == "equal" and on == "equal":
+            out.append(head + "REFUTED: stock vLLM's verify steps match no MTP on this release: the source reading "
+                       "(replays attend to the new tokens only) is wrong here; revise the README section 'TurboQuant "
+                       f"with speculative decoding' and {TQSPEC_PATCH}'s docstring and Support rows from 0.22.0")
+        else:
+            out.append(head + f"none yet (stock path: {off or 'not run'}; the patch: {on or 'not run'})")
     return out
 
 

@@ -907,6 +907,33 @@ def test_tqspec_verdict_names_what_the_runs_show() -> None:
                                           "prefill, before any verify step) differ")
 
 
+def test_tqspec_verdict_per_runner_and_stocks_boot() -> None:
+    """Each runner's MTP runs against that runner's run without MTP, a conclusion per runner, and a line
+    naming the exception a stock server died of."""
+    runs = {"tq-nomtp": tq_run("tq-nomtp", mtp=0, verify=0, lp=shifted_lp(0.0)),
+            "tq-mtp-off": tq_run("tq-mtp-off", disabled=True, lp=shifted_lp(0.05)),
+            "tq-mtp-on": tq_run("tq-mtp-on", lp=shifted_lp(0.0)),
+            "tq-nomtp-v2": tq_run("tq-nomtp-v2", mtp=0, verify=0, v2=True, lp=shifted_lp(0.0)),
+            "tq-mtp-off-v2": tq_run("tq-mtp-off-v2", disabled=True, v2=True, lp=shifted_lp(0.05)),
+            "tq-mtp-on-v2": tq_run("tq-mtp-on-v2", v2=True, lp=shifted_lp(0.0)),
+            "tq-stock": {"config": "stock", "series": {"series": "tqspec"}, "healthy_after_s": None,
+                         "vllm_env": {"VLLM_USE_V2_MODEL_RUNNER": "0"}, "first_error_lines": [
+                             "(EngineCore pid=1) ERROR 12-01 22:23:54 [core.py:1330] Traceback (most recent call last):",
+                             "(EngineCore pid=1) ERROR 12-01 22:23:54 [core.py:1330] ValueError: Unknown TurboQuant "
+                             "cache dtype: 'auto'. Valid presets: turboquant_k8v4"]}}
+    ref = runs["tq-nomtp"]["logprobs"]["lp"]
+    ref2 = runs["tq-nomtp-v2"]["logprobs"]["lp"]
+    pairs = {f"{x} vs {'tq-nomtp-v2' if x.endswith('v2') else 'tq-nomtp'} (lp)":
+             sm.compare_logprobs(runs[x]["logprobs"]["lp"], ref2 if x.endswith("v2") else ref)
+             for x in ("tq-mtp-off", "tq-mtp-on", "tq-mtp-off-v2", "tq-mtp-on-v2")}
+    lines = stack.tqspec_verdict(runs, pairs)
+    assert lines[0] == ("tq-stock (stock vLLM, TurboQuant, V1): died at boot: ValueError: Unknown TurboQuant cache "
+                        "dtype: 'auto'. Valid presets: turboquant_k8v4"), lines
+    assert any(x.startswith("tq-mtp-off-v2 vs tq-nomtp-v2: DIFFERS") for x in lines), lines
+    assert any(x.startswith("tq-mtp-on-v2 vs tq-nomtp-v2: EQUAL") for x in lines), lines
+    assert lines[-2].startswith("conclusion: CONFIRMED: ") and lines[-1].startswith("conclusion (V2): CONFIRMED: ")
+
+
 def test_tqspec_verdict_says_when_a_run_tests_nothing() -> None:
     ref = tq_run("tq-nomtp", mtp=0, verify=0, lp=shifted_lp(0.0))
     runs = {"tq-nomtp": ref, "tq-mtp-off": tq_run("tq-mtp-off", disabled=True, drafts=0, lp=shifted_lp(0.05)),
@@ -918,7 +945,8 @@ def test_tqspec_verdict_says_when_a_run_tests_nothing() -> None:
     assert ("tq-mtp-on-v2 (on V2): NOT A TEST: its workers built the V1 model runner, V2 asked for") in lines
     assert any(ln.startswith("tq-mtp-off vs tq-nomtp: NOT A TEST (the comparison alone: differs; later tokens")
                for ln in lines)
-    assert lines[-1] == "conclusion: none yet (stock path: not a test; the patch: not a test)"
+    assert lines[-2:] == ["conclusion: none yet (stock path: not a test; the patch: not a test)",
+                          "conclusion (V2): none yet (stock path: not run; the patch: not a test)"]
     cpu = {"tq-nomtp": tq_run("tq-nomtp", mtp=0, kv="auto", lp=shifted_lp(0.0)),
            "tq-mtp-on": tq_run("tq-mtp-on", kv="auto", status="not-needed", lp=shifted_lp(0.0))}
     lines = verdict_of(cpu)

@@ -65,8 +65,11 @@ SPEC = PatchSpec(
         Support(APPLIES, "applies",
                 "V1's reshape passes 'auto' for specs with kv_quant_mode NONE, and TurboQuant specs "
                 "have NONE (get_kv_quant_mode knows no turboquant_ dtype; the attention layer sets "
-                "none): the TurboQuant backend raises 'Unknown TurboQuant cache dtype'",
+                "none): the TurboQuant backend raises 'Unknown TurboQuant cache dtype' at boot (upstream "
+                "issue 50709); V1's other "
+                "KV-layout calls (block dim, hybrid layout) pass the configured dtype",
                 (Proof(RUNNER, _AUTO_BRANCH),
+                 Proof(RUNNER, "cache_dtype_str=self.cache_config.cache_dtype,"),
                  Proof(RUNNER, "def _reshape_kv_cache_tensors("),
                  Proof(IFACE, 'startswith("turboquant_")', present=False),
                  Proof(ATTN_LAYER, "tq_slot_size=tq_config.slot_size_aligned,"),

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from vllm_overlay import core, metrics
+from vllm_overlay import core, metrics, report_files, server_id
 from vllm_overlay.report import STATE
 from vllm_overlay.telemetry import in_band, merge_sizes
 
@@ -38,7 +38,8 @@ def exposition(directory: str, server: str) -> str:
 
 def write(directory, rep) -> None:  # type: ignore[no-untyped-def]
     os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, f"overlay-{rep['pid']}.json"), "w") as f:
+    name = report_files.name(server_id.file_key(rep["server_id"]), rep["pid"], f"{rep['pid']:08x}")
+    with open(os.path.join(directory, name), "w") as f:
         json.dump(rep, f)
 
 
@@ -60,7 +61,7 @@ def test_collector_reads_only_this_servers_reports(tmp_path) -> None:  # type: i
     assert 'vllm_overlay_gdn_buffer_bytes{' in text and s.buffer_rows == [3000, 3000]
     assert s.engine_config["max_num_batched_tokens"] == 3000 and s.engine_config["server_id"] == "srv-a"
     assert set(s.processes) == {"11", "12"}
-    # a file being replaced (not JSON yet) is skipped, not an error; a changed file is re-read
+    # a file of no server's (an older release's name) is never opened; a changed file is re-read
     (tmp_path / "overlay-14.json").write_text("{")
     write(tmp_path, report(11, "srv-a", {**sizes, 2048: 7}))
     later = metrics.parse(exposition(tmp_path, "srv-a"))

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-from vllm_overlay import server_id, settings, versions
+from vllm_overlay import report_files, server_id, settings, versions
 from vllm_overlay.errors import OverlayError, PatchConflictError, StrictModeError, UnknownPatchError
 from vllm_overlay.mechanisms import install as installmech
 from vllm_overlay.mechanisms import wrap as wrapmech
@@ -288,6 +288,7 @@ def register() -> None:
         logs.setup()
         settings.validate_all()
         server_id.ensure()  # before vLLM starts the engine core: its processes inherit the id
+        report_files.prune(settings.value("VLLM_OVERLAY_REPORT_DIR"))  # dead processes' old files
         strict = settings.value("VLLM_OVERLAY_STRICT")
         inst = versions.installed_vllm()
         STATE.vllm_version = inst.version if inst else None

@@ -40,7 +40,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_overlay import settings
+from vllm_overlay import report_files, server_id, settings
 from vllm_overlay.report import LOG, STATE
 from vllm_overlay.telemetry import merge_sizes
 
@@ -60,10 +60,12 @@ class ReportCache:
         self._files: dict[str, tuple[int, int, dict[str, Any] | None]] = {}
 
     def reports(self, directory: str, server: str | None) -> list[dict[str, Any]]:
+        """This server's reports: only its own files are listed (their names carry the server
+        id's key), so memory and time follow this server's processes, not the directory."""
         out = []
         with self._lock:
             seen = set()
-            for path in glob.glob(os.path.join(directory, "overlay-*.json")):
+            for path in glob.glob(report_files.server_glob(directory, server_id.file_key(server))):
                 seen.add(path)
                 try:
                     st = os.stat(path)
@@ -194,7 +196,7 @@ class OverlayCollector:
             reports = self.cache.reports(directory, server) if os.path.isdir(directory) else []
             if self.directory is None and STATE.registered:  # this process: fresher than its file
                 own = STATE.to_json()
-                reports = [r for r in reports if r.get("pid") != own["pid"]] + [own]
+                reports = [r for r in reports if r.get("instance") != own["instance"]] + [own]
             out = list(families(reports, server))
         except Exception as exc:  # noqa: BLE001 - never break vLLM's own /metrics
             if not self._warned:

@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Any
 
-from vllm_overlay import settings
+from vllm_overlay import report_files, server_id, settings
 from vllm_overlay.logs import LOG  # noqa: F401 - patches import LOG from here too
 from vllm_overlay.telemetry import Histogram
 
@@ -35,6 +35,7 @@ class ProcessState:
 
     def reset(self) -> None:
         self.pid = os.getpid()
+        self.instance = os.urandom(4).hex()  # in the file name: unique even where pids repeat
         self.started = time.time()
         self.registered = False
         self.register_calls = 0
@@ -55,6 +56,7 @@ class ProcessState:
         self.runner: dict[str, Any] = {}  # the model runner the worker built: kind V1 / V2 and class
         self.buffers: list[dict[str, Any]] = []
         self.dirty = False
+        self.last_written = 0.0  # time.time() of the last report on disk
         self.forked_from: int | None = None
         self.summary_role: str | None = None  # the role the last summary line named
 
@@ -126,6 +128,7 @@ class ProcessState:
             return {
                 "schema": SCHEMA,
                 "pid": self.pid,
+                "instance": self.instance,
                 "forked_from": self.forked_from,
                 "host": socket.gethostname(),
                 "server_id": settings.value("VLLM_OVERLAY_SERVER_ID"),
@@ -157,7 +160,8 @@ class ProcessState:
     # ---- output --------------------------------------------------------------------------
     def report_path(self) -> str:
         directory = settings.value("VLLM_OVERLAY_REPORT_DIR")
-        return os.path.join(directory, f"overlay-{os.getpid()}.json")
+        key = server_id.file_key(settings.value("VLLM_OVERLAY_SERVER_ID"))
+        return os.path.join(directory, report_files.name(key, os.getpid(), self.instance))
 
     def snapshot(self) -> str:
         """The report as JSON text, serialised while holding the lock (a consistent snapshot:
@@ -178,6 +182,7 @@ class ProcessState:
             with os.fdopen(fd, "w") as f:
                 f.write(data)
             os.replace(tmp, path)
+            self.last_written = time.time()
             _ensure_flusher()  # later changes (buffers, dummy forwards) reach the file within a second
             return path
         except Exception as exc:  # noqa: BLE001 - a report failure must not kill serving
@@ -222,8 +227,8 @@ _flusher: threading.Thread | None = None
 def _flush_loop() -> None:
     while True:
         time.sleep(FLUSH_EVERY_S)
-        if STATE.dirty:
-            STATE.write()
+        if STATE.dirty or time.time() - STATE.last_written > report_files.REFRESH_S:
+            STATE.write()  # a live process's file never gets old enough to be pruned
 
 
 def _ensure_flusher() -> None:

@@ -122,16 +122,19 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "VLLM_OVERLAY_REPORT_DIR", _path, None, "a directory path (created if missing)",
-        "Where each process writes its JSON report. Default: vllm-overlay-reports under the "
-        "system temp dir (printed in the log).",
+        "Where each process writes its JSON report, overlay-KEY-PID-INSTANCE.json (KEY: a hash of "
+        "the server id). Default: vllm-overlay-reports under the system temp dir (printed in the "
+        "log). Report files not written for 24 h are removed when an overlay process starts there.",
     ),
     Setting(
         "VLLM_OVERLAY_SERVER_ID", _server_id, None,
         "1 to 128 characters from a-z, A-Z, 0-9 and . _ : -",
         "Which serving processes belong together: the first overlay process of a server (the "
         "API server, or the driver of an offline engine) sets it when unset, and its engine and "
-        "worker processes inherit it. The /metrics series read only the reports carrying the "
-        "API server's id. Set it yourself only to give a server a stable name.",
+        "worker processes inherit it. The /metrics series and `vllm-overlay stress` read only the "
+        "reports carrying the server's id. An id the overlay made in another program (a launcher "
+        "that loaded vLLM's plugins) is replaced in a server's main process. Set it yourself only "
+        "to give a server a stable name.",
     ),
     Setting(
         "VLLM_OVERLAY_PREALLOC_TOKEN_BUDGET", _int_range(1, TOKEN_MAX), None,

@@ -53,7 +53,9 @@ def engine_args(args: argparse.Namespace) -> dict[str, object]:
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("stress", help="force forwards into (LO, HI] and prove it from telemetry",
                        description="Exit codes: 0 passed, 1 failed (a request or the engine failed), "
-                                   "2 bad usage (before any traffic), 3 did not test (band not reached).")
+                                   "2 bad usage (before any traffic), 3 did not test (band not reached), "
+                                   "4 unreachable (server mode: nothing answers at --url, it is not a vLLM "
+                                   "server, or it stopped answering).")
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--model", metavar="DIR", help="offline: boot an in-process engine on this model")
     target.add_argument("--url", metavar="URL", help="server: a running `vllm serve` with the overlay")
@@ -67,6 +69,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--out", default="stress-out", metavar="DIR", help="where stress.json and the PNG go")
     p.add_argument("--report-dir", default=None, metavar="DIR",
                    help="server mode: the server's VLLM_OVERLAY_REPORT_DIR (default: this shell's)")
+    p.add_argument("--server-id", default=None, metavar="ID",
+                   help="server mode: the server's VLLM_OVERLAY_SERVER_ID; only reports carrying it are counted "
+                        "(default: the id the server's /metrics names)")
     p.add_argument("--telemetry", choices=("auto", "reports", "metrics"), default="auto",
                    help="server mode: where the verdict's forward counts come from: the server's report "
                         "files, or its /metrics (no shared directory needed; the band's edges must be "
@@ -83,6 +88,7 @@ def options(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     return Options(model=args.model, url=args.url, allow_remote=args.allow_remote, band=args.band,
                    min_band_forwards=args.min_band_forwards, requests=args.requests,
                    duration=args.duration, out=args.out, report_dir=args.report_dir, seed=args.seed,
+                   server_id=args.server_id,
                    telemetry=args.telemetry,
                    engine_args=engine_args(args))
 

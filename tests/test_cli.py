@@ -139,3 +139,12 @@ def test_doctor_without_reports_says_what_is_asked_for(tmp_path) -> None:  # typ
             "names the one built yet") in asked
     default = cli("doctor", VLLM_OVERLAY_REPORT_DIR=str(tmp_path)).stdout
     assert "model runner: chosen by vLLM at start-up (VllmConfig.use_v2_model_runner:" in default
+
+
+def test_report_skips_and_names_a_file_that_is_not_a_report(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    _worker_report(tmp_path, {"kind": "V1", "class": "GPUModelRunner"}, [])
+    (tmp_path / "overlay-5.json").write_text("[]")
+    p = cli("report", str(tmp_path))
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    assert f"skipped {tmp_path}/overlay-5.json: not a report (expected a JSON object, found list)" in p.stdout
+    assert "  7: role=worker rank 0;" in p.stdout

@@ -68,8 +68,12 @@ def specs() -> tuple[PatchSpec, ...]:
 def _check_ids(name: str, ids: tuple[str, ...], known: list[str]) -> None:
     for pid in ids:
         if pid not in known:
+            import difflib
+
+            close = difflib.get_close_matches(pid, known, n=1, cutoff=0.7)
+            hint = f"; did you mean {close[0]}?" if close else ""
             raise UnknownPatchError(
-                f"{name}: unknown patch id {pid!r}; known ids: {', '.join(known)}"
+                f"{name}: unknown patch id {pid!r}{hint}; known ids: {', '.join(known)}"
             )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 from vllm_overlay.stress.plan import UsageError
 
@@ -16,23 +17,49 @@ def band(text: str) -> tuple[int, int]:
 
 def positive(flag: str):  # type: ignore[no-untyped-def]
     def parse(text: str) -> int:
-        if not text.strip().isdigit() or int(text) < 1:
+        if not text.strip().isascii() or not text.strip().isdigit() or int(text) < 1:
             raise argparse.ArgumentTypeError(f"{flag} {text!r}: expected an integer >= 1")
         return int(text)
 
     return parse
 
 
+def fraction(flag: str):  # type: ignore[no-untyped-def]
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not 0 < value <= 1:  # nan fails too
+            raise argparse.ArgumentTypeError(f"{flag} {text!r}: expected a number in (0, 1]")
+        return value
+
+    return parse
+
+
+def seconds(flag: str):  # type: ignore[no-untyped-def]
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not (math.isfinite(value) and value > 0):
+            raise argparse.ArgumentTypeError(f"{flag} {text!r}: expected a finite number of seconds > 0")
+        return value
+
+    return parse
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine (offline mode; spelled as `vllm serve` spells them)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=positive("--max-num-batched-tokens"), default=None)
+    g.add_argument("--max-model-len", type=positive("--max-model-len"), default=None)
+    g.add_argument("--max-num-seqs", type=positive("--max-num-seqs"), default=None)
     g.add_argument("--kv-cache-dtype", default=None)
     g.add_argument("--tensor-parallel-size", type=positive("--tensor-parallel-size"), default=None,
                    help="worker processes (GPUs); telemetry counts each forward once, at rank 0")
     g.add_argument("--enforce-eager", action="store_true")
-    g.add_argument("--gpu-memory-utilization", type=float, default=None)
+    g.add_argument("--gpu-memory-utilization", type=fraction("--gpu-memory-utilization"), default=None)
     g.add_argument("--gdn-prefill-backend", default=None,
                    help="vLLM's additional_config gdn_prefill_backend (use 'triton' on Hopper without FlashInfer)")
 
@@ -65,7 +92,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                         "max_num_batched_tokens]")
     p.add_argument("--min-band-forwards", type=int, default=10, metavar="N")
     p.add_argument("--requests", type=int, default=None, metavar="N", help="band prefill requests to send")
-    p.add_argument("--duration", type=float, default=None, metavar="SECONDS", help="stop sending after this")
+    p.add_argument("--duration", type=seconds("--duration"), default=None, metavar="SECONDS", help="stop sending after this")
     p.add_argument("--out", default="stress-out", metavar="DIR", help="where stress.json and the PNG go")
     p.add_argument("--report-dir", default=None, metavar="DIR",
                    help="server mode: the server's VLLM_OVERLAY_REPORT_DIR (default: this shell's)")

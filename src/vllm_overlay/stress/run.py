@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -128,7 +129,7 @@ def _execute(opts: Options, out: Out) -> dict[str, Any]:
         raise planmod.UsageError(f"--min-band-forwards {opts.min_band_forwards}: expected an integer >= 1")
     if opts.requests is not None and opts.requests < 1:
         raise planmod.UsageError(f"--requests {opts.requests}: expected an integer >= 1")
-    if opts.duration is not None and opts.duration <= 0:
+    if opts.duration is not None and not (math.isfinite(opts.duration) and opts.duration > 0):
         raise planmod.UsageError(f"--duration {opts.duration}: expected seconds > 0")
     first: metrics.Scrape | None = None  # server mode, telemetry from /metrics: the scrape before traffic
     sid: str | None = None  # server mode: the server id its reports must carry

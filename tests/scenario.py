@@ -22,7 +22,9 @@ SHORT_SHAPE = [300, 40, 40]
 
 def own_report() -> dict:
     """This process's overlay report (the engine core and its worker run here)."""
-    path = os.path.join(os.environ["VLLM_OVERLAY_REPORT_DIR"], f"overlay-{os.getpid()}.json")
+    from vllm_overlay.report import STATE
+
+    path = STATE.report_path()
     try:
         with open(path) as f:
             return json.load(f)

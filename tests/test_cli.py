@@ -139,3 +139,46 @@ def test_doctor_without_reports_says_what_is_asked_for(tmp_path) -> None:  # typ
             "names the one built yet") in asked
     default = cli("doctor", VLLM_OVERLAY_REPORT_DIR=str(tmp_path)).stdout
     assert "model runner: chosen by vLLM at start-up (VllmConfig.use_v2_model_runner:" in default
+
+
+def test_report_skips_and_names_a_file_that_is_not_a_report(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    _worker_report(tmp_path, {"kind": "V1", "class": "GPUModelRunner"}, [])
+    (tmp_path / "overlay-5.json").write_text("[]")
+    p = cli("report", str(tmp_path))
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    assert f"skipped {tmp_path}/overlay-5.json: not a report (expected a JSON object, found list)" in p.stdout
+    assert "  7: role=worker rank 0;" in p.stdout
+
+
+def test_doctor_and_plan_refuse_what_start_up_refuses() -> None:
+    for env, needle in (({"VLLM_OVERLAY_FOO": "1"}, "VLLM_OVERLAY_FOO='1': unknown vllm-overlay setting"),
+                        ({"VLLM_OVERLAY_ENABLE": "bogus"}, "VLLM_OVERLAY_ENABLE: unknown patch id 'bogus'"),
+                        ({"GENESIS_PROFILE_RUN_CAP": "4096"},
+                         "GENESIS_PROFILE_RUN_CAP='4096': not a vllm-overlay setting, so it has no effect; did you "
+                         "mean GENESIS_PROFILE_RUN_CAP_M?")):
+        doctor = cli("doctor", **env)
+        assert doctor.returncode == 1 and f"error: {needle}" in doctor.stdout, doctor.stdout[-2000:]
+        assert "no dangerous combination found" not in doctor.stdout
+        plan = cli("plan", **env)
+        assert plan.returncode == 2 and needle in plan.stderr, plan.stderr
+    p = cli("plan", VLLM_OVERLAY_ENABLE="profile-run-cp")
+    assert "did you mean profile-run-cap?" in p.stderr
+    p = cli("doctor", VLLM_OVERLAY_PROFILE_RUN_CAPP="1")
+    assert "did you mean VLLM_OVERLAY_PROFILE_RUN_CAP?" in p.stdout
+
+
+def test_bad_flags_are_usage_errors_before_anything_runs(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / "file").write_text("")
+    cases = [
+        (["doctor", "--max-num-batched-tokens", "-5"], "--max-num-batched-tokens '-5': expected an integer >= 1"),
+        (["stress", "--model", "m", "--duration", "nan"], "--duration 'nan': expected a finite number of seconds > 0"),
+        (["stress", "--model", "m", "--max-num-batched-tokens", "0"], "--max-num-batched-tokens '0': expected an integer >= 1"),
+        (["stress", "--model", "m", "--gpu-memory-utilization", "5"], "--gpu-memory-utilization '5': expected a number in (0, 1]"),
+        (["stress", "--model", "m", "--out", str(tmp_path / "file")], f"--out '{tmp_path}/file': cannot be a folder"),
+        (["stress", "--model", "m", "--out", "/proc/stress-out"], "--out '/proc/stress-out': cannot be a folder"),
+        (["verify", "--version", "abc"], "--version 'abc': expected a vLLM release X.Y.Z"),
+    ]
+    for args, needle in cases:
+        p = cli(*args)
+        assert p.returncode == 2 and needle in p.stdout + p.stderr, (args, p.stdout[-1000:], p.stderr[-1000:])
+        assert "Traceback" not in p.stdout + p.stderr

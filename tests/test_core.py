@@ -149,7 +149,7 @@ def test_apply_then_revert_restores_every_target(overlay) -> None:  # type: igno
     assert len(changed) == 19, changed
     assert "vllm.v1.worker.gpu_model_runner:GPUModelRunner.initialize_kv_cache" in changed
     assert "vllm.v1.worker.gpu_worker:Worker.determine_available_memory" not in changed
-    report = json.load(open(os.path.join(overlay, f"overlay-{os.getpid()}.json")))
+    report = json.load(open(STATE.report_path()))
     assert report["patches"]["gdn-output-prealloc"]["status"] == "applied"
     assert report["patches"]["forward-telemetry"]["status"] == "applied"
     core.register()  # idempotent: nothing changes

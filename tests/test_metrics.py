@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from vllm_overlay import core, metrics
+from vllm_overlay import core, metrics, report_files, server_id
 from vllm_overlay.report import STATE
 from vllm_overlay.telemetry import in_band, merge_sizes
 
@@ -38,7 +38,8 @@ def exposition(directory: str, server: str) -> str:
 
 def write(directory, rep) -> None:  # type: ignore[no-untyped-def]
     os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, f"overlay-{rep['pid']}.json"), "w") as f:
+    name = report_files.name(server_id.file_key(rep["server_id"]), rep["pid"], f"{rep['pid']:08x}")
+    with open(os.path.join(directory, name), "w") as f:
         json.dump(rep, f)
 
 
@@ -60,18 +61,25 @@ def test_collector_reads_only_this_servers_reports(tmp_path) -> None:  # type: i
     assert 'vllm_overlay_gdn_buffer_bytes{' in text and s.buffer_rows == [3000, 3000]
     assert s.engine_config["max_num_batched_tokens"] == 3000 and s.engine_config["server_id"] == "srv-a"
     assert set(s.processes) == {"11", "12"}
-    # a file being replaced (not JSON yet) is skipped, not an error; a changed file is re-read
+    # a file of no server's (an older release's name) is never opened; a changed file is re-read
     (tmp_path / "overlay-14.json").write_text("{")
     write(tmp_path, report(11, "srv-a", {**sizes, 2048: 7}))
     later = metrics.parse(exposition(tmp_path, "srv-a"))
     assert later.band(1024, 2048) == 10 and later.sizes_since(s) == {2048: 7}
 
 
-def test_collector_never_breaks_the_scrape(tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
+def test_a_malformed_report_is_skipped_and_named_and_the_others_stay(tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
     write(tmp_path, report(11, "srv-a", {5: 1}, buffers="not a list"))
+    write(tmp_path, report(12, "srv-a", {1500: 2}))
+    legacy = tmp_path / "overlay-5.json"  # `echo '[]' > D/overlay-5.json`: no server's file, never opened
+    legacy.write_text("[]")
     text = exposition(tmp_path, "srv-a")
-    assert "vllm_overlay_" not in text
-    assert any("could not read the reports" in r.getMessage() for r in caplog.records)
+    s = metrics.parse(text)
+    assert s.band(1024, 2048) == 2 and set(s.processes) == {"12"}  # the good report's series stay
+    bad = report_files.name(server_id.file_key("srv-a"), 11, f"{11:08x}")
+    assert f'vllm_overlay_report_skipped_info{{file="{bad}",why="field \'buffers\' is str"}} 1.0' in text
+    warned = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(warned) == 1 and bad in warned[0] and "field 'buffers' is str" in warned[0]
 
 
 def test_no_reports_still_exports_zero_series(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -146,7 +154,7 @@ def test_read_metrics_bounds_the_largest_forward(monkeypatch) -> None:  # type: 
     after = metrics.Scrape(buckets={1024: 8, 2048: 20}, max_forward=2009,
                            processes={"7": {"role": "worker rank 0", "patches": {}, "counters": {}}})
     monkeypatch.setattr(run.time, "sleep", lambda s: None)
-    monkeypatch.setattr(run.metrics, "scrape", lambda base: after)
+    monkeypatch.setattr(run.metrics, "scrape", lambda base, timeout=30: after)
     procs, sizes, _, largest, exact = run._read_metrics("http://x", before)
     assert sizes == {1024: 3, 2048: 12} and (largest, exact) == (2009, False)
     assert procs[0]["_path"] == "http://x/metrics (pid 7)"
@@ -233,3 +241,22 @@ def test_metrics_match_the_reports_in_both_directions(served) -> None:  # type: 
     # a band /metrics cannot count exactly is refused before any traffic
     p = stress(["--url", server.url, "--band", "1000,2048", "--out", str(root / "out-bad")])
     assert p.returncode == 2 and "not a bucket edge" in p.stdout, p.stdout[-2000:]
+
+
+def test_each_new_failure_of_a_report_is_logged_again(tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    write(tmp_path, report(12, "srv-a", {1500: 2}))
+    bad = tmp_path / report_files.name(server_id.file_key("srv-a"), 13, f"{13:08x}")
+    reg = CollectorRegistry()
+    reg.register(metrics.OverlayCollector(str(tmp_path), "srv-a"))
+    bad.write_text("[]")
+    generate_latest(reg)
+    generate_latest(reg)  # the same failure: not logged again
+    bad.write_text('{"pid": "x", "padding": 1}')  # a different one: logged
+    text = generate_latest(reg).decode()
+    warned = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(warned) == 2 and "found list" in warned[0] and "no integer pid" in warned[1]
+    assert 'why="no integer pid"' in text and metrics.parse(text).band(1024, 2048) == 2
+    os.unlink(bad)
+    assert "report_skipped_info{" not in generate_latest(reg).decode()

@@ -79,3 +79,11 @@ def test_booleans_and_lists() -> None:
 def test_every_setting_is_documented() -> None:
     for s in settings.SETTINGS:
         assert s.help and s.accepted and s.name.startswith("VLLM_OVERLAY")
+
+
+def test_full_width_digits_and_near_miss_aliases_stop_start_up() -> None:
+    with pytest.raises(SettingError, match=r"VLLM_OVERLAY_PROFILE_RUN_CAP='４０９６': expected an integer"):
+        settings.validate_all({"VLLM_OVERLAY_PROFILE_RUN_CAP": "４０９６"})
+    with pytest.raises(SettingError, match="did you mean GENESIS_PROFILE_RUN_CAP_M"):
+        settings.validate_all({"GENESIS_PROFILE_RUN_CAP": "4096"})
+    settings.validate_all({"GENESIS_PROFILE_RUN_CAP_M": "4096", "GENESIS_UNRELATED_THING": "1"})  # kept working

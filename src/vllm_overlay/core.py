@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-from vllm_overlay import server_id, settings, versions
+from vllm_overlay import report_files, server_id, settings, versions
 from vllm_overlay.errors import OverlayError, PatchConflictError, StrictModeError, UnknownPatchError
 from vllm_overlay.mechanisms import install as installmech
 from vllm_overlay.mechanisms import wrap as wrapmech
@@ -68,8 +68,12 @@ def specs() -> tuple[PatchSpec, ...]:
 def _check_ids(name: str, ids: tuple[str, ...], known: list[str]) -> None:
     for pid in ids:
         if pid not in known:
+            import difflib
+
+            close = difflib.get_close_matches(pid, known, n=1, cutoff=0.7)
+            hint = f"; did you mean {close[0]}?" if close else ""
             raise UnknownPatchError(
-                f"{name}: unknown patch id {pid!r}; known ids: {', '.join(known)}"
+                f"{name}: unknown patch id {pid!r}{hint}; known ids: {', '.join(known)}"
             )
 
 
@@ -288,6 +292,7 @@ def register() -> None:
         logs.setup()
         settings.validate_all()
         server_id.ensure()  # before vLLM starts the engine core: its processes inherit the id
+        report_files.prune(settings.value("VLLM_OVERLAY_REPORT_DIR"))  # dead processes' old files
         strict = settings.value("VLLM_OVERLAY_STRICT")
         inst = versions.installed_vllm()
         STATE.vllm_version = inst.version if inst else None

@@ -40,8 +40,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_overlay import settings
+from vllm_overlay import report_files, server_id, settings
 from vllm_overlay.report import LOG, STATE
+from vllm_overlay.reports import problem
 from vllm_overlay.telemetry import merge_sizes
 
 PREFIX = "vllm_overlay_"
@@ -58,12 +59,15 @@ class ReportCache:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._files: dict[str, tuple[int, int, dict[str, Any] | None]] = {}
+        self.skipped: dict[str, str] = {}  # path -> why it is not a report (named on /metrics)
 
     def reports(self, directory: str, server: str | None) -> list[dict[str, Any]]:
+        """This server's reports: only its own files are listed (their names carry the server
+        id's key), so memory and time follow this server's processes, not the directory."""
         out = []
         with self._lock:
             seen = set()
-            for path in glob.glob(os.path.join(directory, "overlay-*.json")):
+            for path in glob.glob(report_files.server_glob(directory, server_id.file_key(server))):
                 seen.add(path)
                 try:
                     st = os.stat(path)
@@ -71,11 +75,17 @@ class ReportCache:
                     continue
                 cached = self._files.get(path)
                 if cached is None or cached[:2] != (st.st_mtime_ns, st.st_size):
+                    rep, why = None, None
                     try:
                         with open(path) as f:
                             rep = json.load(f)
-                    except (OSError, ValueError):
-                        rep = None  # being replaced right now: the next scrape reads it
+                    except OSError:
+                        pass  # removed since the listing
+                    except ValueError as exc:  # the writers rename whole files: never half-written
+                        why = f"not JSON: {exc}"
+                    if rep is not None and (why := problem(rep)) is not None:
+                        rep = None
+                    self._note(path, why)
                     if rep is not None:
                         rep["_path"] = path
                     self._files[path] = (st.st_mtime_ns, st.st_size, rep)
@@ -85,7 +95,19 @@ class ReportCache:
                     out.append(rep)
             for gone in set(self._files) - seen:
                 del self._files[gone]
+                self.skipped.pop(gone, None)
         return sorted(out, key=lambda r: int(r.get("pid", 0)))
+
+    def _note(self, path: str, why: str | None) -> None:
+        """Keep why ``path`` is skipped; one WARNING each time that changes."""
+        if why is None:
+            if self.skipped.pop(path, None) is not None:
+                LOG.info("/metrics: report %s is readable again", path)
+            return
+        if self.skipped.get(path) != why:
+            LOG.warning("/metrics: skipped %s: not a report (%s); the other reports' series stay "
+                        "(series %sreport_skipped_info)", path, why, PREFIX)
+        self.skipped[path] = why
 
 
 def bucket_edges(reports: list[dict[str, Any]]) -> list[int]:
@@ -107,7 +129,8 @@ def bucket_edges(reports: list[dict[str, Any]]) -> list[int]:
     return sorted(e for e in edges if e > 0)
 
 
-def families(reports: list[dict[str, Any]], server: str | None) -> Iterator[Any]:
+def families(reports: list[dict[str, Any]], server: str | None,
+             skipped: dict[str, str] | None = None) -> Iterator[Any]:
     from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
                                         InfoMetricFamily)
 
@@ -173,6 +196,26 @@ def families(reports: list[dict[str, Any]], server: str | None) -> Iterator[Any]
     for role, n in sorted(processes.items()):
         procs.add_metric([role], n)
     yield procs
+    bad = InfoMetricFamily(PREFIX + "report_skipped",
+                           "A file of this server's reports that is not a report, skipped: its name and why.",
+                           labels=["file", "why"])
+    for path, why in sorted((skipped or {}).items()):
+        bad.add_metric([os.path.basename(path), why[:200]], {})
+    yield bad
+    yield from write_families()
+
+
+def write_families() -> Iterator[Any]:
+    """This process's own report writing: failing (1) or not (0), and its consecutive failures."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    failing = GaugeMetricFamily(PREFIX + "report_write_failing",
+                                "1 while this process cannot write its report (the reports are stale).",
+                                labels=["role", "pid", "path"])
+    if STATE.registered:
+        err = STATE.write_error
+        failing.add_metric([STATE.role(), str(STATE.pid), err[0] if err else STATE.report_path()], 1 if err else 0)
+    yield failing
 
 
 class OverlayCollector:
@@ -182,7 +225,7 @@ class OverlayCollector:
         self.directory = directory
         self.server = server
         self.cache = ReportCache()
-        self._warned = False
+        self._warned: str | None = None  # the last error logged: a new one is logged again
 
     def describe(self) -> list[Any]:
         return []  # no name checks at registration: our names never clash with vLLM's "vllm:" ones
@@ -194,13 +237,13 @@ class OverlayCollector:
             reports = self.cache.reports(directory, server) if os.path.isdir(directory) else []
             if self.directory is None and STATE.registered:  # this process: fresher than its file
                 own = STATE.to_json()
-                reports = [r for r in reports if r.get("pid") != own["pid"]] + [own]
-            out = list(families(reports, server))
+                reports = [r for r in reports if r.get("instance") != own["instance"]] + [own]
+            out = list(families(reports, server, self.cache.skipped))
         except Exception as exc:  # noqa: BLE001 - never break vLLM's own /metrics
-            if not self._warned:
-                LOG.warning("the /metrics collector could not read the reports: %s: %s",
-                            type(exc).__name__, exc)
-                self._warned = True
+            text = f"{type(exc).__name__}: {exc}"
+            if self._warned != text:
+                LOG.warning("the /metrics collector could not read the reports: %s", text)
+                self._warned = text
             return
         yield from out
 

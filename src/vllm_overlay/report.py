@@ -20,12 +20,13 @@ import threading
 import time
 from typing import Any
 
-from vllm_overlay import settings
+from vllm_overlay import report_files, server_id, settings
 from vllm_overlay.logs import LOG  # noqa: F401 - patches import LOG from here too
 from vllm_overlay.telemetry import Histogram
 
 SCHEMA = 1
 FLUSH_EVERY_S = 1.0
+WRITE_BACKOFF_MAX_S = 60.0  # while writing fails, the flusher tries at most this seldom
 
 
 class ProcessState:
@@ -35,6 +36,7 @@ class ProcessState:
 
     def reset(self) -> None:
         self.pid = os.getpid()
+        self.instance = os.urandom(4).hex()  # in the file name: unique even where pids repeat
         self.started = time.time()
         self.registered = False
         self.register_calls = 0
@@ -55,6 +57,10 @@ class ProcessState:
         self.runner: dict[str, Any] = {}  # the model runner the worker built: kind V1 / V2 and class
         self.buffers: list[dict[str, Any]] = []
         self.dirty = False
+        self.last_written = 0.0  # time.time() of the last report on disk
+        self.write_error: tuple[str, str] | None = None  # (path, error) while writing fails
+        self.write_failures = 0  # consecutive failed writes
+        self.next_write_at = 0.0  # the flusher's next try while writing fails (backoff)
         self.forked_from: int | None = None
         self.summary_role: str | None = None  # the role the last summary line named
 
@@ -126,6 +132,7 @@ class ProcessState:
             return {
                 "schema": SCHEMA,
                 "pid": self.pid,
+                "instance": self.instance,
                 "forked_from": self.forked_from,
                 "host": socket.gethostname(),
                 "server_id": settings.value("VLLM_OVERLAY_SERVER_ID"),
@@ -157,7 +164,8 @@ class ProcessState:
     # ---- output --------------------------------------------------------------------------
     def report_path(self) -> str:
         directory = settings.value("VLLM_OVERLAY_REPORT_DIR")
-        return os.path.join(directory, f"overlay-{os.getpid()}.json")
+        key = server_id.file_key(settings.value("VLLM_OVERLAY_SERVER_ID"))
+        return os.path.join(directory, report_files.name(key, os.getpid(), self.instance))
 
     def snapshot(self) -> str:
         """The report as JSON text, serialised while holding the lock (a consistent snapshot:
@@ -169,7 +177,7 @@ class ProcessState:
             return data
 
     def write(self) -> str | None:
-        data = None
+        data, tmp, path = None, None, "?"
         try:
             path = self.report_path()
             data = self.snapshot()
@@ -178,13 +186,35 @@ class ProcessState:
             with os.fdopen(fd, "w") as f:
                 f.write(data)
             os.replace(tmp, path)
+            tmp = None
+            self.last_written = time.time()
+            if self.write_error is not None:
+                LOG.info("report written again to %s after %d failed attempt(s)", path, self.write_failures)
+            self.write_error, self.write_failures = None, 0
             _ensure_flusher()  # later changes (buffers, dummy forwards) reach the file within a second
             return path
         except Exception as exc:  # noqa: BLE001 - a report failure must not kill serving
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)  # never leave a temporary file behind
+                except OSError:
+                    pass
             if data is not None:
-                self.dirty = True  # not on disk: the flusher tries again
-            LOG.warning("could not write the report: %s", exc)
+                self.dirty = True  # not on disk: the flusher tries again, backing off
+            self._failed(path, f"{type(exc).__name__}: {exc}")
+            _ensure_flusher()
             return None
+
+    def _failed(self, path: str, error: str) -> None:
+        """One WARNING per distinct error (naming the variable and the path), then backoff."""
+        self.write_failures += 1
+        self.next_write_at = time.time() + min(WRITE_BACKOFF_MAX_S, FLUSH_EVERY_S * 2 ** min(self.write_failures, 10))
+        if self.write_error is None or self.write_error[1] != error:
+            LOG.warning("could not write the report to %s (VLLM_OVERLAY_REPORT_DIR=%s): %s; retrying with "
+                        "backoff up to every %.0f s, silently until it works or the error changes "
+                        "(/metrics: vllm_overlay_report_write_failing 1)",
+                        path, os.path.dirname(path), error, WRITE_BACKOFF_MAX_S)
+        self.write_error = (path, error)
 
     def set_identity(self, worker_rank: int | None, tp_rank: int | None) -> None:
         """Record the worker's ranks once known. A summary line written before them named an
@@ -222,8 +252,10 @@ _flusher: threading.Thread | None = None
 def _flush_loop() -> None:
     while True:
         time.sleep(FLUSH_EVERY_S)
-        if STATE.dirty:
-            STATE.write()
+        if STATE.write_error is not None and time.time() < STATE.next_write_at:
+            continue  # writing fails: back off
+        if STATE.dirty or time.time() - STATE.last_written > report_files.REFRESH_S:
+            STATE.write()  # a live process's file never gets old enough to be pruned
 
 
 def _ensure_flusher() -> None:

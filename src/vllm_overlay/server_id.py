@@ -1,32 +1,62 @@
 """The server id: which processes' reports belong to one server (one `vllm serve`, one LLM()).
 
-The first overlay process of a process tree sets VLLM_OVERLAY_SERVER_ID in its environment;
-the engine core and the workers it starts inherit it and write it into their reports. The
-/metrics collector of the API server reads only the reports that carry its own id, so several
-servers (and old runs) may share one report directory.
+The first overlay process of a server sets VLLM_OVERLAY_SERVER_ID in its environment; the engine
+core, the workers and the extra API servers vLLM starts (with multiprocessing) inherit it and write
+it into their reports. The /metrics collector of the API server reads only the reports that carry
+its own id, so several servers (and old runs) may share one report directory.
+
+An id the overlay made itself (``HOST:PID:TIME:RANDOM``) belongs to the process tree of that PID.
+A program's main process (one not started by multiprocessing: ``vllm serve`` started by a launcher
+that had loaded vLLM's plugins itself) that inherits such an id from another process makes its own,
+so two servers started by one launcher never share an id. An id set by hand is always kept.
 """
 
 from __future__ import annotations
 
+import hashlib
+import multiprocessing
 import os
+import re
 import socket
 import time
 
 from vllm_overlay import settings
 
 NAME = "VLLM_OVERLAY_SERVER_ID"
+_AUTO = re.compile(r"^[A-Za-z0-9.-]+:(\d+):\d+(:[0-9a-f]{8})?$")
 
 
 def current() -> str | None:
     return settings.value(NAME)
 
 
-def ensure() -> str:
-    """This process's server id; sets a new one (host, pid, start time) when none is inherited."""
-    have = current()
-    if have:
-        return have
+def make() -> str:
     host = "".join(c if c.isalnum() or c in ".-" else "-" for c in socket.gethostname())[:64] or "host"
-    new = f"{host}:{os.getpid()}:{int(time.time())}"
+    return f"{host}:{os.getpid()}:{int(time.time())}:{os.urandom(4).hex()}"
+
+
+def inherited_from_another_program(sid: str) -> bool:
+    """Whether ``sid`` is an id the overlay made in another program, inherited by this program's
+    own main process (a launcher's id, not this server's)."""
+    m = _AUTO.match(sid)
+    if m is None or int(m.group(1)) == os.getpid():
+        return False
+    return multiprocessing.parent_process() is None
+
+
+def ensure() -> str:
+    """This process's server id; sets a new one when none is inherited from this server."""
+    have = current()
+    if have and not inherited_from_another_program(have):
+        return have
+    new = make()
     os.environ[NAME] = new
     return new
+
+
+def file_key(sid: str | None) -> str:
+    """The part of a report's file name that names its server: 12 hex digits of the id's hash
+    (``none`` without an id), so a reader globs its own server's files and parses no other."""
+    if not sid:
+        return "none"
+    return hashlib.sha256(sid.encode()).hexdigest()[:12]

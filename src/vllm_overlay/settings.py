@@ -48,7 +48,7 @@ class Resolved:
 def _int_range(lo: int, hi: int | None) -> Callable[[str], int]:
     def parse(raw: str) -> int:
         text = raw.strip()
-        if not text.lstrip("-").isdigit():
+        if not text.isascii() or not text.lstrip("-").isdigit():  # "４０９６" is digits to str.isdigit
             raise ValueError
         value = int(text)
         if value < lo or (hi is not None and value > hi):
@@ -122,16 +122,19 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "VLLM_OVERLAY_REPORT_DIR", _path, None, "a directory path (created if missing)",
-        "Where each process writes its JSON report. Default: vllm-overlay-reports under the "
-        "system temp dir (printed in the log).",
+        "Where each process writes its JSON report, overlay-KEY-PID-INSTANCE.json (KEY: a hash of "
+        "the server id). Default: vllm-overlay-reports under the system temp dir (printed in the "
+        "log). Report files not written for 24 h are removed when an overlay process starts there.",
     ),
     Setting(
         "VLLM_OVERLAY_SERVER_ID", _server_id, None,
         "1 to 128 characters from a-z, A-Z, 0-9 and . _ : -",
         "Which serving processes belong together: the first overlay process of a server (the "
         "API server, or the driver of an offline engine) sets it when unset, and its engine and "
-        "worker processes inherit it. The /metrics series read only the reports carrying the "
-        "API server's id. Set it yourself only to give a server a stable name.",
+        "worker processes inherit it. The /metrics series and `vllm-overlay stress` read only the "
+        "reports carrying the server's id. An id the overlay made in another program (a launcher "
+        "that loaded vLLM's plugins) is replaced in a server's main process. Set it yourself only "
+        "to give a server a stable name.",
     ),
     Setting(
         "VLLM_OVERLAY_PREALLOC_TOKEN_BUDGET", _int_range(1, TOKEN_MAX), None,
@@ -268,15 +271,41 @@ def snapshot(environ: Mapping[str, str] | None = None) -> list[tuple[Setting, Re
     return rows
 
 
-def validate_all(environ: Mapping[str, str] | None = None) -> None:
-    """Raise the first SettingError among all settings (called by register())."""
-    for setting in SETTINGS:
-        resolve(setting.name, environ)
+def _did_you_mean(key: str, names: list[str]) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(key, names, n=1, cutoff=0.8)
+    return f"; did you mean {close[0]}?" if close else ""
+
+
+def startup_problems(environ: Mapping[str, str] | None = None) -> list[str]:
+    """Every error register() stops start-up with, in order: bad values, unknown VLLM_OVERLAY*
+    names, and near misses of the legacy aliases (GENESIS_*, e.g. GENESIS_PROFILE_RUN_CAP for
+    GENESIS_PROFILE_RUN_CAP_M), each with a "did you mean" where a known name is close."""
     env = os.environ if environ is None else environ
-    known = set(BY_NAME) | {a for s in SETTINGS for a in s.aliases}
-    for key in env:
-        if key.startswith("VLLM_OVERLAY") and key not in known:
-            raise SettingError(
-                f"{key}={env[key]!r}: unknown vllm-overlay setting; known settings: "
-                + ", ".join(s.name for s in SETTINGS)
-            )
+    out: list[str] = []
+    for setting in SETTINGS:
+        try:
+            resolve(setting.name, env)
+        except SettingError as exc:
+            out.append(str(exc))
+    primaries = [s.name for s in SETTINGS]
+    aliases = [a for s in SETTINGS for a in s.aliases]
+    known = set(primaries) | set(aliases)
+    for key in sorted(env):
+        if key in known:
+            continue
+        if key.startswith("VLLM_OVERLAY"):
+            out.append(f"{key}={env[key]!r}: unknown vllm-overlay setting{_did_you_mean(key, primaries + aliases)}; "
+                       "known settings: " + ", ".join(primaries))
+        elif key.startswith("GENESIS_") and (hint := _did_you_mean(key, aliases)):
+            out.append(f"{key}={env[key]!r}: not a vllm-overlay setting, so it has no effect{hint} (the legacy "
+                       f"names vllm-overlay reads: {', '.join(aliases)})")
+    return out
+
+
+def validate_all(environ: Mapping[str, str] | None = None) -> None:
+    """Raise the first of startup_problems() as a SettingError (called by register())."""
+    problems = startup_problems(environ)
+    if problems:
+        raise SettingError(problems[0])

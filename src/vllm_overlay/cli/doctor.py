@@ -9,15 +9,39 @@ from packaging.version import Version
 
 from vllm_overlay import reports, settings, versions
 from vllm_overlay.budget import BUDGET_SETTINGS
-from vllm_overlay.errors import SettingError
+from vllm_overlay.errors import OverlayError, SettingError
 from vllm_overlay.output import Out
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("doctor", help="versions, settings and their sources, dangerous combinations")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+    p.add_argument("--max-num-batched-tokens", type=positive_int("--max-num-batched-tokens"), default=None,
+                   metavar="N",
                    help="the max_num_batched_tokens you serve with (enables the budget checks)")
     p.set_defaults(func=run)
+
+
+def positive_int(flag: str):  # type: ignore[no-untyped-def]
+    def parse(text: str) -> int:
+        if not text.strip().isascii() or not text.strip().isdigit() or int(text) < 1:
+            raise argparse.ArgumentTypeError(f"{flag} {text!r}: expected an integer >= 1")
+        return int(text)
+
+    return parse
+
+
+def startup_errors() -> list[str]:
+    """Exactly what register() stops start-up with: settings (values, unknown names, near-miss
+    aliases), then the patch switches (unknown ids, conflicts)."""
+    from vllm_overlay.core import decide
+
+    problems = settings.startup_problems()
+    if not problems:
+        try:
+            decide(vllm=None)
+        except OverlayError as exc:
+            problems.append(str(exc))
+    return problems
 
 
 def findings(mnbt: int | None, environ: dict[str, str] | None = None) -> list[tuple[str, str]]:
@@ -131,10 +155,11 @@ def run(args: argparse.Namespace) -> int:
             rows.append([label, shown, res.source, setting.accepted])
             styles.append(None)
     out.table("settings", ("setting", "value", "from", "accepted"), rows, row_styles=styles)
-    if invalid:
-        for text in invalid:  # the exact text vLLM start-up stops with
+    problems = startup_errors()
+    if problems:
+        for text in problems:  # the exact text vLLM start-up stops with
             out.line(f"error: {text}", "error")
-        out.line(f"{len(invalid)} setting(s) invalid: vLLM will refuse to start with the overlay", "error")
+        out.line(f"{len(problems)} setting(s) invalid: vLLM will refuse to start with the overlay", "error")
         return 1
     found = findings(args.max_num_batched_tokens)
     for level, text in found:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from vllm_overlay import versions
+from vllm_overlay import settings, versions
 from vllm_overlay.core import decide, unknown_release
 from vllm_overlay.output import Out
 
@@ -18,6 +18,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 
 def run(args: argparse.Namespace) -> int:
+    settings.validate_all()  # what start-up checks first: a bad or unknown setting is an error here too
     out = Out()
     inst = versions.installed_vllm()
     where = f"{inst.distribution} {inst.version} ({inst.platform})" if inst else "vLLM not installed"

@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from vllm_overlay.output import Out
-from vllm_overlay.reports import load  # noqa: F401 - re-exported for callers of cli.report.load
+from vllm_overlay.reports import load, scan  # noqa: F401 - load re-exported for callers of cli.report.load
 from vllm_overlay.telemetry import bucket_counts, merge_sizes
 
 
@@ -19,11 +19,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 def print_reports(out: Out, reports: list[dict[str, Any]]) -> None:
     rows = []
     for r in reports:
-        c, fw = r["counts"], r["telemetry"]["forwards"]
-        rows.append([str(r["pid"]), r["role"], str(r["vllm_version"]), str(c["applied"]), str(c["armed"]),
-                     str(c["skipped"]), str(c["off"]), str(c["failed"]),
-                     f"{(r.get('load_apply_s') or 0) * 1000:.0f} ms", str(fw["count"]),
-                     str(fw["min"]), str(fw["max"]), str(r["counters"].get("guard_trips", 0)),
+        c, fw = r.get("counts") or {}, (r.get("telemetry") or {}).get("forwards") or {}
+        rows.append([str(r["pid"]), str(r.get("role", "-")), str(r.get("vllm_version")), str(c.get("applied", "-")),
+                     str(c.get("armed", "-")), str(c.get("skipped", "-")), str(c.get("off", "-")),
+                     str(c.get("failed", "-")), f"{(r.get('load_apply_s') or 0) * 1000:.0f} ms",
+                     str(fw.get("count", "-")), str(fw.get("min")), str(fw.get("max")),
+                     str((r.get("counters") or {}).get("guard_trips", 0)),
                      (r.get("runner") or {}).get("kind", "-")])
     out.table("processes", ("pid", "role", "vLLM", "applied", "armed", "skipped", "off", "failed",
                             "load+apply", "forwards", "min", "max", "guard trips", "runner"), rows, ids=(0, 1))
@@ -31,8 +32,8 @@ def print_reports(out: Out, reports: list[dict[str, Any]]) -> None:
         out.line(line, level)
     seen: dict[tuple[str, str, str], list[str]] = {}
     for r in reports:
-        for pid, rec in r["patches"].items():
-            seen.setdefault((pid, rec["status"], rec.get("reason", "")), []).append(r["role"])
+        for pid, rec in (r.get("patches") or {}).items():
+            seen.setdefault((pid, str(rec.get("status")), str(rec.get("reason", ""))), []).append(str(r.get("role")))
     out.table("patches (per process)", ("patch", "status", "processes", "reason"),
               [[pid, status, ", ".join(sorted(set(roles))), reason]
                for (pid, status, reason), roles in sorted(seen.items())], ids=(0, 1))
@@ -42,8 +43,9 @@ def print_reports(out: Out, reports: list[dict[str, Any]]) -> None:
                   [[label, str(count)] for label, count in bucket_counts(sizes).items()])
     for r in reports:
         for b in r.get("buffers", []):
-            out.line(f"pid {r['pid']}: GDN buffer {b['key']} {b['rows']} rows from {b['source']} "
-                     f"({b['bytes'] / 2**20:.1f} MiB, {b['layers']} layers)" + (" freed" if b.get("freed") else ""))
+            out.line(f"pid {r['pid']}: GDN buffer {b.get('key')} {b.get('rows')} rows from {b.get('source')} "
+                     f"({(b.get('bytes') or 0) / 2**20:.1f} MiB, {b.get('layers')} layers)"
+                     + (" freed" if b.get("freed") else ""))
         for h in r.get("patches", {}).get("memory-headroom", {}).get("headroom", []):
             out.line(f"pid {r['pid']}: memory-headroom at {h['tokens']} tokens: profiled peak "
                      f"{h['profiled_peak'] / 2**30:.3f} GiB, measured {h['measured_peak'] / 2**30:.3f} GiB, moved "
@@ -81,8 +83,11 @@ def runner_lines(reports: list[dict[str, Any]]) -> list[tuple[str, str | None]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    reports = load(args.dir)
+    found = scan(args.dir)
+    reports = found.reports
     out = Out()
+    for path, why in sorted(found.skipped.items()):
+        out.line(f"skipped {path}: not a report ({why})", "warning")
     if not reports:
         out.line(f"no overlay-*.json report in {args.dir}: was the overlay installed in the vLLM environment "
                  "and VLLM_OVERLAY_REPORT_DIR set to this directory?", "error")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 from vllm_overlay.stress.plan import UsageError
 
@@ -16,23 +17,49 @@ def band(text: str) -> tuple[int, int]:
 
 def positive(flag: str):  # type: ignore[no-untyped-def]
     def parse(text: str) -> int:
-        if not text.strip().isdigit() or int(text) < 1:
+        if not text.strip().isascii() or not text.strip().isdigit() or int(text) < 1:
             raise argparse.ArgumentTypeError(f"{flag} {text!r}: expected an integer >= 1")
         return int(text)
 
     return parse
 
 
+def fraction(flag: str):  # type: ignore[no-untyped-def]
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not 0 < value <= 1:  # nan fails too
+            raise argparse.ArgumentTypeError(f"{flag} {text!r}: expected a number in (0, 1]")
+        return value
+
+    return parse
+
+
+def seconds(flag: str):  # type: ignore[no-untyped-def]
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not (math.isfinite(value) and value > 0):
+            raise argparse.ArgumentTypeError(f"{flag} {text!r}: expected a finite number of seconds > 0")
+        return value
+
+    return parse
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine (offline mode; spelled as `vllm serve` spells them)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=positive("--max-num-batched-tokens"), default=None)
+    g.add_argument("--max-model-len", type=positive("--max-model-len"), default=None)
+    g.add_argument("--max-num-seqs", type=positive("--max-num-seqs"), default=None)
     g.add_argument("--kv-cache-dtype", default=None)
     g.add_argument("--tensor-parallel-size", type=positive("--tensor-parallel-size"), default=None,
                    help="worker processes (GPUs); telemetry counts each forward once, at rank 0")
     g.add_argument("--enforce-eager", action="store_true")
-    g.add_argument("--gpu-memory-utilization", type=float, default=None)
+    g.add_argument("--gpu-memory-utilization", type=fraction("--gpu-memory-utilization"), default=None)
     g.add_argument("--gdn-prefill-backend", default=None,
                    help="vLLM's additional_config gdn_prefill_backend (use 'triton' on Hopper without FlashInfer)")
 
@@ -53,7 +80,9 @@ def engine_args(args: argparse.Namespace) -> dict[str, object]:
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("stress", help="force forwards into (LO, HI] and prove it from telemetry",
                        description="Exit codes: 0 passed, 1 failed (a request or the engine failed), "
-                                   "2 bad usage (before any traffic), 3 did not test (band not reached).")
+                                   "2 bad usage (before any traffic), 3 did not test (band not reached), "
+                                   "4 unreachable (server mode: nothing answers at --url, it is not a vLLM "
+                                   "server, or it stopped answering).")
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--model", metavar="DIR", help="offline: boot an in-process engine on this model")
     target.add_argument("--url", metavar="URL", help="server: a running `vllm serve` with the overlay")
@@ -63,10 +92,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                         "max_num_batched_tokens]")
     p.add_argument("--min-band-forwards", type=int, default=10, metavar="N")
     p.add_argument("--requests", type=int, default=None, metavar="N", help="band prefill requests to send")
-    p.add_argument("--duration", type=float, default=None, metavar="SECONDS", help="stop sending after this")
+    p.add_argument("--duration", type=seconds("--duration"), default=None, metavar="SECONDS", help="stop sending after this")
     p.add_argument("--out", default="stress-out", metavar="DIR", help="where stress.json and the PNG go")
     p.add_argument("--report-dir", default=None, metavar="DIR",
                    help="server mode: the server's VLLM_OVERLAY_REPORT_DIR (default: this shell's)")
+    p.add_argument("--server-id", default=None, metavar="ID",
+                   help="server mode: the server's VLLM_OVERLAY_SERVER_ID; only reports carrying it are counted "
+                        "(default: the id the server's /metrics names)")
     p.add_argument("--telemetry", choices=("auto", "reports", "metrics"), default="auto",
                    help="server mode: where the verdict's forward counts come from: the server's report "
                         "files, or its /metrics (no shared directory needed; the band's edges must be "
@@ -83,6 +115,7 @@ def options(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     return Options(model=args.model, url=args.url, allow_remote=args.allow_remote, band=args.band,
                    min_band_forwards=args.min_band_forwards, requests=args.requests,
                    duration=args.duration, out=args.out, report_dir=args.report_dir, seed=args.seed,
+                   server_id=args.server_id,
                    telemetry=args.telemetry,
                    engine_args=engine_args(args))
 

@@ -5,6 +5,7 @@ against a vLLM release's sources (the installed vLLM, a wheel, or every release 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 from vllm_overlay import matrix, sources, versions, wheels
@@ -61,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"{len(versions.RELEASES) - len(failed)} of {len(versions.RELEASES)} releases verified"
               + (f"; failed: {', '.join(failed)}" if failed else ""))
         return 1 if failed else 0
+    if args.version and not re.fullmatch(r"[0-9]+\.[0-9]+\.[0-9]+", args.version):
+        raise OverlayError(f"--version {args.version!r}: expected a vLLM release X.Y.Z (e.g. {versions.RELEASES[-1]})")
     if args.version and not args.wheel:
         args.wheel = wheels.fetch_vllm_wheel(args.version)
     if args.wheel:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-from vllm_overlay import budget
+from vllm_overlay import budget, settings
 from vllm_overlay.patches import _runner
 from vllm_overlay.patches._runner import (
     RUNNER_CLASS,
@@ -85,6 +85,7 @@ def _note_runner(runner: Any) -> None:
             "runner_max_num_tokens": int(getattr(runner, "max_num_tokens", -1)),
             "num_speculative_tokens": int(getattr(getattr(runner, "speculative_config", None),
                                                   "num_speculative_tokens", 0) or 0),
+            "profile_run_cap": int(settings.value("VLLM_OVERLAY_PROFILE_RUN_CAP")),
         }
         if getattr(runner, "max_num_tokens", None) is not None:
             budget.note_runner_limit(runner.vllm_config, runner.max_num_tokens)

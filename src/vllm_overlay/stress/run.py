@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -12,10 +13,11 @@ from vllm_overlay import metrics, settings
 from vllm_overlay.budget import BUDGET_SETTINGS
 from vllm_overlay.output import Out
 from vllm_overlay.progress import Ticker
-from vllm_overlay.reports import load
+from vllm_overlay.reports import Scan, scan
 from vllm_overlay.stress import plan as planmod
 from vllm_overlay.stress.plot import forward_sizes_png
-from vllm_overlay.stress.verdict import BAD_USAGE, SLOW_FACTOR, Outcome, judge, sizes_delta
+from vllm_overlay.stress.target import ServerError
+from vllm_overlay.stress.verdict import BAD_USAGE, NAMES, SLOW_FACTOR, UNREACHABLE, Outcome, judge, sizes_delta
 from vllm_overlay.telemetry import in_band, merge_sizes
 
 
@@ -30,14 +32,16 @@ class Options:
     duration: float | None = None
     out: str = "stress-out"
     report_dir: str | None = None  # server mode: the server's VLLM_OVERLAY_REPORT_DIR
+    server_id: str | None = None  # server mode: the server's VLLM_OVERLAY_SERVER_ID (else from /metrics)
     telemetry: str = "auto"  # server mode: "reports", "metrics" (the server's /metrics) or "auto"
     seed: int = 0
     engine_args: dict[str, Any] = field(default_factory=dict)
 
 
-def default_band(mnbt: int) -> tuple[int, int]:
-    """(profile cap, or an explicit budget below mnbt, or mnbt // 2 ; mnbt]."""
-    cap = int(settings.value("VLLM_OVERLAY_PROFILE_RUN_CAP"))
+def default_band(mnbt: int, server_cap: int | None = None) -> tuple[int, int]:
+    """(profile cap, or an explicit budget below mnbt, or mnbt // 2 ; mnbt]. Over HTTP the cap is
+    the server's own (``server_cap``, from its reports or /metrics) when the server names it."""
+    cap = int(settings.value("VLLM_OVERLAY_PROFILE_RUN_CAP")) if server_cap is None else server_cap
     if 0 < cap < mnbt:
         return cap, mnbt
     for name in BUDGET_SETTINGS:
@@ -65,12 +69,34 @@ def summary_rows(result: dict[str, Any]) -> list[list[str]]:
 def execute(opts: Options, out: Out | None = None) -> dict[str, Any]:
     """Run one stress; returns the result dict (``exit_code`` says the verdict)."""
     out = out or Out()
-    make_out_dir(opts.out)
+    try:
+        make_out_dir(opts.out)
+    except OSError as exc:
+        out.line(f"bad usage: --out {opts.out!r}: cannot be a folder for stress.json ({exc.strerror or exc})",
+                 "error")
+        return {"exit_code": BAD_USAGE, "verdict": NAMES[BAD_USAGE], "why": f"--out {opts.out!r}: {exc}"}
     try:
         return _execute(opts, out)
     except planmod.UsageError as exc:
         out.line(f"bad usage: {exc}", "error")
-        return {"exit_code": BAD_USAGE, "verdict": "BAD USAGE", "why": str(exc)}
+        return _early_result(opts, out, BAD_USAGE, str(exc))
+    except ServerError as exc:
+        out.line(f"{NAMES[UNREACHABLE]}: {exc}", "error")
+        return _early_result(opts, out, UNREACHABLE, str(exc))
+
+
+def _early_result(opts: Options, out: Out, code: int, why: str) -> dict[str, Any]:
+    """The result of a run that sent no traffic (bad usage, no usable server), in stress.json too."""
+    result = {"exit_code": code, "verdict": NAMES[code], "why": why,
+              "mode": "offline" if opts.model else "server", "target": opts.model or opts.url}
+    result["json"] = os.path.abspath(os.path.join(opts.out, "stress.json"))
+    try:
+        with open(result["json"], "w") as f:
+            json.dump(result, f, indent=1)
+        out.line(f"wrote {result['json']}")
+    except OSError as exc:
+        out.line(f"could not write {result['json']}: {exc}", "error")
+    return result
 
 
 def make_out_dir(path: str) -> None:
@@ -103,9 +129,12 @@ def _execute(opts: Options, out: Out) -> dict[str, Any]:
         raise planmod.UsageError(f"--min-band-forwards {opts.min_band_forwards}: expected an integer >= 1")
     if opts.requests is not None and opts.requests < 1:
         raise planmod.UsageError(f"--requests {opts.requests}: expected an integer >= 1")
-    if opts.duration is not None and opts.duration <= 0:
+    if opts.duration is not None and not (math.isfinite(opts.duration) and opts.duration > 0):
         raise planmod.UsageError(f"--duration {opts.duration}: expected seconds > 0")
     first: metrics.Scrape | None = None  # server mode, telemetry from /metrics: the scrape before traffic
+    sid: str | None = None  # server mode: the server id its reports must carry
+    not_counted: list[dict[str, Any]] = []
+    server_cap: int | None = None
     if opts.model:
         if not os.path.isfile(os.path.join(opts.model, "config.json")):
             raise planmod.UsageError(f"--model {opts.model!r}: no config.json in that directory")
@@ -114,15 +143,31 @@ def _execute(opts: Options, out: Out) -> dict[str, Any]:
     else:
         from vllm_overlay.stress import server
 
+        from vllm_overlay.stress import target as targetmod
+
         base = server.check_url(opts.url or "", opts.allow_remote)
-        first = _metrics_first(opts, base)
+        tgt = targetmod.probe(base)
+        first = _metrics_first(opts, tgt)
+        sid = _server_id(opts, tgt)
         if first is not None:
             report_dir = f"{base}/metrics"
-            limits = server_limits(base, report_dir, opts.engine_args, live=first.engine_config)
+            live = dict(first.engine_config)
         else:
             report_dir = opts.report_dir or settings.value("VLLM_OVERLAY_REPORT_DIR")
-            limits = server_limits(base, report_dir, opts.engine_args)
-    lo, hi = opts.band or default_band(limits.max_num_batched_tokens)
+            if sid is None:
+                raise planmod.UsageError(
+                    f"cannot tie the reports in {report_dir} to the server at {base}: its /metrics names no "
+                    "server id (no vllm_overlay_ series); pass --server-id ID (the server's "
+                    "VLLM_OVERLAY_SERVER_ID, written in each of its reports)")
+            found = scan(report_dir, server=sid) if os.path.isdir(report_dir) else Scan()
+            not_counted = _name_not_counted(out, report_dir, sid, found)
+            live = {}
+            for rep in sorted(found.reports, key=lambda r: r.get("written", 0)):
+                live.update(rep.get("engine_config") or {})
+        limits = server_limits(report_dir, opts.engine_args, live)
+        if isinstance(live.get("profile_run_cap"), int):
+            server_cap = int(live["profile_run_cap"])
+    lo, hi = opts.band or default_band(limits.max_num_batched_tokens, server_cap)
     if not opts.model and first is not None:
         _check_band_edges(lo, hi, first)
     plan = planmod.make_plan(lo, hi, limits, opts.min_band_forwards, opts.requests)
@@ -148,7 +193,7 @@ def _execute(opts: Options, out: Out) -> dict[str, Any]:
         boot_s = time.perf_counter() - t0
         before: dict[int, int] = {}
     elif first is None:
-        before = merge_sizes(load(report_dir)) if os.path.isdir(report_dir) else {}
+        before = merge_sizes(scan(report_dir, server=sid).reports) if os.path.isdir(report_dir) else {}
 
     out.line("one warm-up wave first (kernels compile on first use); the clock starts after it")
 
@@ -160,9 +205,12 @@ def _execute(opts: Options, out: Out) -> dict[str, Any]:
                       "one wave served); timed waves start now")
             if first is not None:
                 time.sleep(2.5)  # the workers' reports flush within a second; /metrics reads them
-                first = metrics.scrape(base)
+                try:
+                    first = metrics.scrape(base, timeout=10)
+                except (OSError, ValueError) as exc:  # the server died after the warm-up: the waves fail
+                    tick.note(f"cannot read {base}/metrics after the warm-up: {exc}")
             else:
-                before = merge_sizes(_read_reports(report_dir, since if not opts.model else None))
+                before = merge_sizes(_read_reports(report_dir, since if not opts.model else None, sid))
 
         t_warm = time.perf_counter()
         if opts.model:
@@ -174,9 +222,13 @@ def _execute(opts: Options, out: Out) -> dict[str, Any]:
 
             def band_count() -> int:
                 # band forwards since the warm-up, read as the verdict will read them
-                if first is not None:
-                    return metrics.scrape(base).band(lo, hi) - first.band(lo, hi)
-                now = merge_sizes(load(report_dir, since) if os.path.isdir(report_dir) else [])
+                try:
+                    if first is not None:
+                        return metrics.scrape(base, timeout=10).band(lo, hi) - first.band(lo, hi)
+                except (OSError, ValueError, KeyError) as exc:  # no top-up; the verdict says why
+                    tick.note(f"cannot read {base}/metrics for the band count: {exc}")
+                    return opts.min_band_forwards
+                now = merge_sizes(scan(report_dir, since, sid).reports if os.path.isdir(report_dir) else [])
                 return in_band(sizes_delta(before, now), lo, hi)
 
             # --requests fixes the traffic; otherwise waves are added until the band is reached
@@ -184,7 +236,13 @@ def _execute(opts: Options, out: Out) -> dict[str, Any]:
             outcome = server.run(base, plan, opts.duration, opts.seed, tick,
                                  alive=lambda: server.health_error(base), after_warmup=after_warmup, topup=topup)
     if first is None:
-        reports = _read_reports(report_dir, since if not opts.model else None)
+        final = _read_scan(report_dir, since if not opts.model else None, sid)
+        reports = final.reports
+        if sid is not None:  # server mode: name what another server wrote during the run, once
+            named = {o["path"] for o in not_counted}
+            late = Scan(foreign=[r for r in final.foreign if r["_path"] not in named],
+                        skipped={p: w for p, w in final.skipped.items() if p not in named})
+            not_counted += _name_not_counted(out, report_dir, sid, late)
         sizes = sizes_delta(before, merge_sizes(reports))
         budgets = [b["rows"] for r in reports for b in r.get("buffers", [])]
         result = judge(lo, hi, opts.min_band_forwards, sizes, outcome, reports)
@@ -209,6 +267,8 @@ def _execute(opts: Options, out: Out) -> dict[str, Any]:
         "gdn_buffer_rows": min(budgets) if budgets else None,
         "profile_cap": cap,
         "report_dir": report_dir,
+        "server_id": sid,
+        "reports_not_counted": not_counted,
         "engine_args": opts.engine_args,
     })
     png = os.path.join(opts.out, "forward_sizes.png")
@@ -230,20 +290,43 @@ def _execute(opts: Options, out: Out) -> dict[str, Any]:
     return result
 
 
-def _metrics_first(opts: Options, base: str) -> metrics.Scrape | None:
+def _server_id(opts: Options, tgt: Any) -> str | None:
+    """The id this server's reports carry: --server-id, else the one its /metrics names."""
+    named = tgt.server_id
+    if opts.server_id and named and opts.server_id != named:
+        raise planmod.UsageError(f"--server-id {opts.server_id!r}: the server at {tgt.base} names itself "
+                                 f"{named!r} on /metrics; drop --server-id or give that one")
+    return opts.server_id or named
+
+
+def _name_not_counted(out: Out, report_dir: str, sid: str, found: Scan) -> list[dict[str, Any]]:
+    """One line naming the reports in the directory that are not this server's (never counted)."""
+    others = [{"path": r["_path"], "server_id": r.get("server_id")} for r in found.foreign]
+    if others:
+        shown = ", ".join(f"{os.path.basename(o['path'])} (server id {o['server_id']})" for o in others[:3])
+        more = f" and {len(others) - 3} more" if len(others) > 3 else ""
+        out.line(f"not counted: {len(others)} report(s) in {report_dir} of other servers than this one "
+                 f"({sid}): {shown}{more}", "warning")
+    for path, why in sorted(found.skipped.items()):
+        out.line(f"not counted: {path}: not a report ({why})", "warning")
+        others.append({"path": path, "skipped": why})
+    return others
+
+
+def _metrics_first(opts: Options, tgt: Any) -> metrics.Scrape | None:
     """The scrape of the server's /metrics before traffic, when the verdict is to come from it:
     --telemetry metrics, or auto without --report-dir (a server in a container, on another host)."""
+    base = tgt.base
     if opts.telemetry not in ("auto", "reports", "metrics"):
         raise planmod.UsageError(f"--telemetry {opts.telemetry!r}: expected auto, reports or metrics")
     if opts.telemetry == "reports" or (opts.telemetry == "auto" and opts.report_dir):
         return None
     if opts.telemetry == "metrics" and opts.report_dir:
         raise planmod.UsageError("--telemetry metrics reads the server's /metrics; drop --report-dir DIR")
-    try:
-        scrape = metrics.scrape(base)
-    except OSError as exc:
+    scrape = tgt.scrape
+    if scrape is None:
         if opts.telemetry == "metrics":
-            raise planmod.UsageError(f"--telemetry metrics: cannot read {base}/metrics: {exc}") from None
+            raise planmod.UsageError(f"--telemetry metrics: cannot read {base}/metrics: {tgt.metrics_error}")
         return None
     if not scrape.found:
         if opts.telemetry == "metrics":
@@ -271,8 +354,8 @@ def _read_metrics(base: str, before: metrics.Scrape
     run, whether that is exact)."""
     time.sleep(2.5)  # the serving processes flush their reports every second
     try:
-        after = metrics.scrape(base)
-    except OSError:
+        after = metrics.scrape(base, timeout=10)
+    except (OSError, ValueError):
         return [], {}, [], None, False  # the server is gone: the outcome already says why
     procs = []
     for pid, proc in after.processes.items():
@@ -283,10 +366,14 @@ def _read_metrics(base: str, before: metrics.Scrape
     return procs, sizes, after.buffer_rows, min(max(sizes), after.max_forward) if sizes else None, False
 
 
-def _read_reports(report_dir: str, since: float | None) -> list[dict[str, Any]]:
+def _read_scan(report_dir: str, since: float | None, server: str | None) -> Scan:
     # the serving processes flush every second and at exit; give them two flush periods
     time.sleep(2.5)
-    return load(report_dir, since) if os.path.isdir(report_dir) else []
+    return scan(report_dir, since, server) if os.path.isdir(report_dir) else Scan()
+
+
+def _read_reports(report_dir: str, since: float | None, server: str | None) -> list[dict[str, Any]]:
+    return _read_scan(report_dir, since, server).reports
 
 
 def _shutdown(llm: Any) -> None:
@@ -296,23 +383,14 @@ def _shutdown(llm: Any) -> None:
         pass
 
 
-def server_limits(base: str, report_dir: str, engine_args: dict[str, Any],
-                  live: dict[str, Any] | None = None) -> planmod.Limits:
-    """The server's limits: from its worker reports or its /metrics (the live config), else the
-    CLI's flags."""
-    if live is not None:
-        live = dict(live)
-    elif os.path.isdir(report_dir):
-        live = {}
-        for rep in sorted(load(report_dir), key=lambda r: r.get("written", 0)):
-            live.update(rep.get("engine_config") or {})
-    else:
-        live = {}
+def server_limits(report_dir: str, engine_args: dict[str, Any], live: dict[str, Any]) -> planmod.Limits:
+    """The server's limits: the CLI's flags, else the live config its worker reports or its
+    /metrics name."""
 
     def pick(key: str) -> int:
         if engine_args.get(key):
             return int(engine_args[key])
-        if live.get(key):
+        if isinstance(live.get(key), int) and live[key] > 0:
             return int(live[key])
         flag = "--" + key.replace("_", "-")
         raise planmod.UsageError(

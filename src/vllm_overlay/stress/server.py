@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_overlay.stress.plan import Plan, UsageError
+from vllm_overlay.stress.target import ServerError
 from vllm_overlay.stress.traffic import prompt
 from vllm_overlay.stress.verdict import Outcome
 
@@ -22,6 +23,10 @@ def check_url(url: str, allow_remote: bool) -> str:
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
         raise UsageError(f"--url {url!r}: expected http://HOST:PORT")
     host = parsed.hostname
+    try:
+        parsed.port
+    except ValueError:
+        raise UsageError(f"--url {url!r}: the port is not an integer in [1, 65535]") from None
     loopback = host == "localhost"
     try:
         loopback = loopback or ipaddress.ip_address(host).is_loopback
@@ -79,6 +84,26 @@ async def _completion(session: Any, base: str, model: str, ids: list[int], max_t
 
 TOPUP_FACTOR = 4  # top-up waves stop at this many times the planned waves
 FLUSH_S = 1.5  # the serving processes flush their telemetry every second
+GRACE_S = 30.0  # with --duration: how long requests in flight may take after it (warm-up: after its start)
+STALL_S = 300.0  # without --duration: how long a wave (or the warm-up) may go unanswered
+
+
+class Stalled(Exception):
+    """A wave got no complete answer in time: the server accepts connections, its engine does not answer."""
+
+
+async def _bounded(aws: list[Any], limit: float, what: str, duration_s: float | None) -> list[bool]:
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    done, pending = await asyncio.wait(tasks, timeout=max(0.0, limit))
+    if pending:
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        bound = (f"--duration {duration_s:g} s + {GRACE_S:g} s grace" if duration_s is not None
+                 else f"{STALL_S:g} s")
+        raise Stalled(f"the server stopped answering: {len(pending)} of {len(tasks)} request(s) of {what} got "
+                      f"no complete answer within {bound} (it accepts connections; is its engine stalled?)")
+    return [t.result() for t in tasks]
 
 
 async def _run(base: str, plan: Plan, duration_s: float | None, seed: int,
@@ -95,7 +120,10 @@ async def _run(base: str, plan: Plan, duration_s: float | None, seed: int,
     stop = asyncio.Event()
     timeout = aiohttp.ClientTimeout(total=None, sock_read=300)
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        model, vocab = await _model_and_vocab(session, base)
+        try:
+            model, vocab = await _model_and_vocab(session, base)
+        except (aiohttp.ClientError, OSError, ValueError, KeyError, IndexError, asyncio.TimeoutError) as exc:
+            raise ServerError(f"{base} stopped answering GET /v1/models: {type(exc).__name__}: {exc}") from None
 
         async def decode_worker(i: int) -> None:
             # one decode stream, renewed until the waves are done: every request completes
@@ -115,9 +143,15 @@ async def _run(base: str, plan: Plan, duration_s: float | None, seed: int,
         # first use (seen: 104 s for the first MTP wave), which is not what --duration measures
         tw = time.perf_counter()
         warm = [f"warmup-{j}" for j in range(plan.prefills_per_wave)]
-        done = await asyncio.gather(*[
-            _completion(session, base, model, prompt(rng, plan.prompt_tokens, vocab),
-                        plan.prefill_out_tokens, rid, out, {}) for rid in warm])
+        try:
+            done = await _bounded([
+                _completion(session, base, model, prompt(rng, plan.prompt_tokens, vocab),
+                            plan.prefill_out_tokens, rid, out, {}) for rid in warm],
+                (duration_s + GRACE_S) if duration_s is not None else STALL_S, "the warm-up wave", duration_s)
+        except Stalled as exc:
+            out.stalled = str(exc)
+            await _stop(stop, workers, 0.0)
+            return
         ok.extend(done)
         out.warmup_s = time.perf_counter() - tw
         if after_warmup is not None:
@@ -143,9 +177,15 @@ async def _run(base: str, plan: Plan, duration_s: float | None, seed: int,
                     break
                 tw = time.perf_counter()
                 ids = [f"wave{w}-{j}" for j in range(plan.prefills_per_wave)]
-                done = await asyncio.gather(*[
-                    _completion(session, base, model, prompt(rng, plan.prompt_tokens, vocab),
-                                plan.prefill_out_tokens, rid, out, ttft) for rid in ids])
+                limit = (t0 + duration_s + GRACE_S - tw) if duration_s is not None else STALL_S
+                try:
+                    done = await _bounded([
+                        _completion(session, base, model, prompt(rng, plan.prompt_tokens, vocab),
+                                    plan.prefill_out_tokens, rid, out, ttft) for rid in ids],
+                        limit, f"wave {w + 1}", duration_s)
+                except Stalled as exc:
+                    out.stalled = str(exc)
+                    break
                 ok.extend(done)
                 wave_ids.extend(ids)
                 out.wave_s.append(time.perf_counter() - tw)
@@ -154,7 +194,7 @@ async def _run(base: str, plan: Plan, duration_s: float | None, seed: int,
             # Over HTTP a wave's prefills can reach the engine in different steps (each request is
             # tokenized and queued on its own), so a wave may land as several smaller forwards.
             # The band count is read back from telemetry and short waves are made up for.
-            if topup is None or w < total or not can_go_on():
+            if topup is None or w < total or out.stalled or not can_go_on():
                 break
             await asyncio.sleep(FLUSH_S)
             got = await asyncio.get_running_loop().run_in_executor(None, topup.band_count)
@@ -169,13 +209,23 @@ async def _run(base: str, plan: Plan, duration_s: float | None, seed: int,
                        f"the engine in different steps): {more} more waves")
             out.topup_waves += more
             total += more
-        stop.set()
-        await asyncio.gather(*workers)
+        await _stop(stop, workers, 0.0 if out.stalled else GRACE_S)
         if alive is not None and out.engine_error is None and (err := alive()):
             out.engine_error = err
         out.requests_ok = sum(ok)
         out.requests_failed = len(ok) - sum(ok)
         out.ttft_s = [ttft[r] for r in wave_ids if r in ttft]
+
+
+async def _stop(stop: asyncio.Event, workers: list[Any], grace: float) -> None:
+    """End the decode streams: each finishes its request within ``grace`` s, else it is cancelled."""
+    stop.set()
+    if not workers:
+        return
+    _, pending = await asyncio.wait(workers, timeout=grace)
+    for t in pending:
+        t.cancel()
+    await asyncio.gather(*workers, return_exceptions=True)
 
 
 @dataclass(frozen=True)

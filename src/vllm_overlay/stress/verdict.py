@@ -7,8 +7,9 @@ from typing import Any
 
 from vllm_overlay.telemetry import in_band
 
-PASSED, FAILED, BAD_USAGE, DID_NOT_TEST = 0, 1, 2, 3
-NAMES = {PASSED: "PASSED", FAILED: "FAILED", BAD_USAGE: "BAD USAGE", DID_NOT_TEST: "DID NOT TEST"}
+PASSED, FAILED, BAD_USAGE, DID_NOT_TEST, UNREACHABLE = 0, 1, 2, 3, 4
+NAMES = {PASSED: "PASSED", FAILED: "FAILED", BAD_USAGE: "BAD USAGE", DID_NOT_TEST: "DID NOT TEST",
+         UNREACHABLE: "UNREACHABLE"}
 
 
 @dataclass
@@ -24,6 +25,7 @@ class Outcome:
     wave_s: list[float] = field(default_factory=list)  # each timed wave, in order
     clock_start: float | None = None  # perf_counter() when the timed waves began
     topup_waves: int = 0  # server mode: waves added because too few forwards landed in the band
+    stalled: str | None = None  # server mode: the server stopped answering (requests cancelled)
 
 
 SLOW_FACTOR = 3.0  # a wave slower than this many times the median is named in the output
@@ -60,7 +62,9 @@ def judge(lo: int, hi: int, min_band: int, sizes: dict[int, int], outcome: Outco
     band = in_band(sizes, lo, hi)
     trips = sum(int(r.get("counters", {}).get("guard_trips", 0)) for r in reports)
     workers = [r for r in reports if r.get("patches", {}).get("forward-telemetry", {}).get("status") == "applied"]
-    if outcome.engine_error or outcome.requests_failed:
+    if outcome.stalled:
+        code, why = UNREACHABLE, outcome.stalled
+    elif outcome.engine_error or outcome.requests_failed:
         code, why = FAILED, outcome.engine_error or f"{outcome.requests_failed} request(s) failed"
     elif not workers:
         code, why = DID_NOT_TEST, "no serving process reported forward telemetry (is the overlay installed there?)"

@@ -7,7 +7,8 @@ from tests/engine_proofs.json. Every other cell's level follows from the PatchSp
   python bench/levels.py --check    # exit 1 if the committed file differs (tests/test_levels.py runs it)
   python bench/levels.py --explain  # every run read, proof or not and why, and the files holding none
 
-A new result file becomes evidence by being in bench/results and read here: rerun this script.
+A new result file becomes evidence by being in bench/results and read here: rerun this script,
+then scripts/readme_tables.py (the README's support-levels table is rendered from the data file).
 A cell is gpu-proven when at least one run on its release, runner and platform served traffic with
 the patch applied (in a process of the run, failed in none); a run that died, failed, did not test,
 ran stock or with test-only settings proves nothing.

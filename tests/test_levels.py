@@ -185,3 +185,36 @@ def test_plan_and_doctor_print_the_line_whole() -> None:
         (line,) = [ln for ln in out.splitlines() if ln.startswith("support levels on vLLM ")]
         assert line.startswith("support levels on vLLM 0.32.0 (cpu, runner V1: the CPU build's Model Runner V2 "
                                "needs Triton): cpu-proven: forward-telemetry, "), line
+
+
+def test_results_written_now_are_matched_without_provenance(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A stress.json the harness writes today, and a bench.py result with today's report summary, carry
+    release, platform, runner, patch statuses and date: matched to a cell with nothing by hand."""
+    from vllm_overlay.stress.verdict import Outcome, judge
+
+    worker = {"role": "worker rank 0", "vllm_version": "0.26.0", "platform": "cuda",
+              "runner": {"kind": "V1", "class": "vllm.v1.worker.gpu_model_runner.GPUModelRunner"},
+              "patches": {"forward-telemetry": {"status": "applied"}, "memory-headroom": {"status": "applied"},
+                          "prefill-chunk-clamp": {"status": "off"}}}
+    stress = judge(4096, 8192, 1, {5000: 3}, Outcome(requests_ok=9), [worker])
+    assert stress["verdict"] == "PASSED" and stress["processes"][0]["runner"]["kind"] == "V1"
+    (tmp_path / "stress-new.json").write_text(json.dumps({**stress, "plan": {}, "mode": "server"}))
+    bench = json.load(open(os.path.join(RESULTS, "bench-qwen36-35b-a3b-geometry-overlay-mnbt8192.json")))
+    proc = {**{k: worker[k] for k in ("role", "vllm_version", "platform", "runner")},
+            "patches": {"forward-telemetry": "applied", "gdn-output-prealloc": "failed"}}
+    bench = {**bench, "environment": {**bench["environment"], "vllm": "0.26.0"},
+             "reports": {**bench["reports"], "processes": [proc]}}
+    (tmp_path / "bench-new.json").write_text(json.dumps(bench))
+    runs, none = evidence.read_all(str(tmp_path), str(tmp_path / "provenance.json"))
+    assert none == []
+    got = {os.path.basename(r["file"]): r for r in runs}
+    s, b = got["stress-new.json"], got["bench-new.json"]
+    assert (s["vllm"], s["platform"], s["runner"], s["applied"], s["proof"], s["by_hand"]) == (
+        "0.26.0", "cuda", "V1", ["forward-telemetry", "memory-headroom"], True, [])
+    assert s["date"] == stress["date"][:10]
+    # a patch failed in one process is not applied in the run, whatever another says
+    assert (b["vllm"], b["runner"], b["applied"], b["proof"], b["by_hand"]) == (
+        "0.26.0", "V1", ["forward-telemetry"], True, [])
+    built = levels_script.build(runs, {"vllm": "0.32.0", "runner": "V1", "platform": "cpu", "tests": {}})
+    assert {(c["patch"], c["vllm"], c["runner"]) for c in built["cells"]} == {
+        ("forward-telemetry", "0.26.0", "V1"), ("memory-headroom", "0.26.0", "V1")}

@@ -93,8 +93,12 @@ def reports_summary(report_dir: str) -> dict[str, Any]:
     sizes = merge_sizes(reps)
     workers = [r for r in reps if r.get("engine_config")]
     return {
+        # vllm_version, platform, runner and patch statuses: what bench/evidence.py matches to a level cell
         "processes": [{"pid": r["pid"], "role": r["role"], "counts": r["counts"],
-                       "load_apply_s": r["load_apply_s"], "hook_apply_s": r.get("hook_apply_s")} for r in reps],
+                       "load_apply_s": r["load_apply_s"], "hook_apply_s": r.get("hook_apply_s"),
+                       "vllm_version": r.get("vllm_version"), "platform": r.get("platform"), "runner": r.get("runner"),
+                       "patches": {pid: rec.get("status") for pid, rec in (r.get("patches") or {}).items()}}
+                      for r in reps],
         "patches": {pid: rec["status"] for r in workers for pid, rec in r["patches"].items()},
         "forwards": sum(sizes.values()),
         "band_forwards": in_band(sizes, *BAND),

@@ -976,6 +976,7 @@ def summarize(label: str) -> dict:
     for r in overlay_reports(d):
         statuses = {pid: rec.get("status") for pid, rec in (r.get("patches") or {}).items()}
         procs.append({"pid": r.get("pid"), "role": r.get("role"), "tp_rank": r.get("tp_rank"),
+                      "vllm_version": r.get("vllm_version"), "platform": r.get("platform"),
                       "runner": r.get("runner"), "counts": r.get("counts"), "patches": statuses,
                       "counters": r.get("counters"),
                       "buffers": [{k: b.get(k) for k in ("rows", "bytes", "source", "requested_source") if k in b}
@@ -1053,6 +1054,11 @@ def load_run(item: str) -> tuple[str, dict[str, Any]]:
         s = bundle["summary"]
         text = (bundle.get("logs") or {}).get("serve.log")
         files = {k: v for k, v in bundle["files"].items() if k != "state.json"}
+        by_pid = {r.get("pid"): r for r in bundle.get("reports") or [] if isinstance(r, dict)}
+        for proc in s.get("processes") or []:  # a summary written before it recorded them: the reports say
+            for key in ("vllm_version", "platform"):
+                if proc.get(key) is None and (by_pid.get(proc.get("pid")) or {}).get(key) is not None:
+                    proc[key] = by_pid[proc["pid"]][key]
     elif path and os.path.isfile(os.path.join(path, "summary.json")):
         s = json.load(open(os.path.join(path, "summary.json")))
         log = os.path.join(path, "serve.log")

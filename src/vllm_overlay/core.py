@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-from vllm_overlay import report_files, server_id, settings, versions
+from vllm_overlay import levels, report_files, server_id, settings, versions
 from vllm_overlay.errors import OverlayError, PatchConflictError, StrictModeError, UnknownPatchError
 from vllm_overlay.mechanisms import install as installmech
 from vllm_overlay.mechanisms import wrap as wrapmech
@@ -43,6 +43,31 @@ class Decision:
     spec: PatchSpec
     status: str  # "planned" | "off" | "skipped" | "upstream-merged" | "not-needed"
     reason: str
+    level: str | None = None  # with VLLM_OVERLAY_REQUIRE: the patch's level on this process's cell
+    below_required: bool = False  # skipped because that level is below VLLM_OVERLAY_REQUIRE
+
+
+def required_level(decisions: list[Decision], inst: versions.Installed | None,
+                   environ: Mapping[str, str] | None) -> list[Decision]:
+    """With VLLM_OVERLAY_REQUIRE set, a planned patch whose level on this process's cell is below it
+    becomes skipped (its reason names both levels and the cell)."""
+    want = settings.value("VLLM_OVERLAY_REQUIRE", environ)
+    if not want or inst is None or inst.version not in versions.RELEASES:
+        return decisions
+    runner, why = levels.expected_runner(inst.version, inst.platform, environ)
+    where = f"vLLM {inst.version} {inst.platform}, runner {runner or 'V1 or V2 (the weaker counts)'}"
+    out = []
+    for d in decisions:
+        if d.status != "planned":
+            out.append(d)
+            continue
+        found = levels.for_process(d.spec, inst.version, inst.platform, runner)
+        if levels.rank(found.level) >= levels.rank(want):
+            out.append(Decision(d.spec, d.status, d.reason, level=found.level))
+            continue
+        out.append(Decision(d.spec, "skipped", f"VLLM_OVERLAY_REQUIRE={want}: it is {found.level} on {where} "
+                            f"({why}); {levels.MEANS[found.level]}", level=found.level, below_required=True))
+    return out
 
 
 def registry() -> tuple[tuple[PatchSpec, ModuleType], ...]:
@@ -153,6 +178,7 @@ def decide(
         else:
             out[spec.id] = Decision(spec, "planned", why)
 
+    out = {d.spec.id: d for d in required_level([out[s.id] for s in all_specs], inst, environ)}
     # requires: a patch whose requirement will not apply is skipped (iterate to a fixed point)
     changed = True
     while changed:
@@ -308,7 +334,18 @@ def register() -> None:
                 raise StrictModeError(f"VLLM_OVERLAY_STRICT=1 refuses to start: {line}")
             LOG.warning("every patch skipped: %s", line)  # one line, not one per patch
             decisions = []
+        below = [d for d in decisions if d.below_required]
+        if below:  # asked for by the operator: one line per process, never a StrictModeError
+            assert inst is not None
+            runner, why = levels.expected_runner(inst.version, inst.platform)
+            LOG.warning("VLLM_OVERLAY_REQUIRE=%s: %d patch(es) below it skipped on vLLM %s %s, runner %s (%s): %s",
+                        settings.value("VLLM_OVERLAY_REQUIRE"), len(below), inst.version, inst.platform,
+                        runner or "V1 or V2, the weaker counts", why,
+                        ", ".join(f"{d.spec.id} is {d.level}" for d in below))
         for d in decisions:
+            if d.below_required:
+                STATE.set_patch(d.spec.id, d.status, reason=d.reason, level=d.level)
+                continue
             if d.status != "planned":
                 STATE.set_patch(d.spec.id, d.status, reason=d.reason)
                 if d.status == "off" and d.spec.disabled_by and d.reason.startswith(d.spec.disabled_by):
@@ -325,7 +362,8 @@ def register() -> None:
             module = modules[d.spec.id]
             active = Active(d.spec, module, pending=set(d.spec.modules(inst.version, inst.platform)))
             _ACTIVE[d.spec.id] = active
-            STATE.set_patch(d.spec.id, "armed", reason=d.reason, pending_modules=sorted(active.pending))
+            STATE.set_patch(d.spec.id, "armed", reason=d.reason, pending_modules=sorted(active.pending),
+                            **({"level": d.level} if d.level else {}))
             for module_name in sorted(active.pending):
                 try:
                     wrapmech.when_imported(module_name, _make_hook(active, module_name, strict))

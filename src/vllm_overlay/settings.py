@@ -88,6 +88,16 @@ def _server_id(raw: str) -> str:
     return text
 
 
+REQUIRE_LEVELS = ("source-checked", "cpu-proven", "gpu-proven")  # vllm_overlay.levels.LEVELS, weakest first
+
+
+def _level(raw: str) -> str:
+    text = raw.strip().lower()
+    if text not in REQUIRE_LEVELS:
+        raise ValueError
+    return text
+
+
 def default_report_dir() -> str:
     return os.path.join(tempfile.gettempdir(), "vllm-overlay-reports")
 
@@ -119,6 +129,17 @@ SETTINGS: tuple[Setting, ...] = (
         "patch whose hooks on the model runner the worker built (V1 or V2) are not in place or did "
         "not fire by the worker's first forward stops the engine at that forward. 0: such a patch "
         "is skipped, or its hooks named, with one WARNING line naming it and the reason.",
+    ),
+    Setting(
+        "VLLM_OVERLAY_REQUIRE", _level, None, "one of " + ", ".join(REQUIRE_LEVELS) + " (unset: no requirement)",
+        "The support level a patch must have on this process's cell (installed release, platform, the "
+        "model runner vLLM builds) to apply: gpu-proven (a GPU run served traffic with it), cpu-proven "
+        "(an engine test ran it on the CPU build), source-checked (its targets, anchors and hashes were "
+        "checked in the release's wheel only). A patch below it is skipped, with one WARNING per "
+        "process naming the level required and each level found. Where vLLM chooses the runner at "
+        "start-up (CUDA from 0.22.0 without VLLM_USE_V2_MODEL_RUNNER) every process takes the weaker of "
+        "the V1 and V2 levels, so all processes of a server decide alike; set VLLM_USE_V2_MODEL_RUNNER "
+        "to be judged by the runner you build. `vllm-overlay plan` shows the levels.",
     ),
     Setting(
         "VLLM_OVERLAY_REPORT_DIR", _path, None, "a directory path (created if missing)",

@@ -132,6 +132,9 @@ class PatchSpec:
     # patch is "applied" once every other module and one module of each group are hooked; a
     # group's other modules are still hooked if vLLM imports them later.
     either_modules: tuple[tuple[str, ...], ...] = ()
+    # report counters of which one above 0 shows the patch acted (not only installed): a GPU result
+    # proves the patch on its cell only then (bench/evidence.py); empty: applied is enough
+    shown_by: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.id or not all(p.isalnum() and p == p.lower() for p in self.id.split("-")):
@@ -144,6 +147,8 @@ class PatchSpec:
             raise ValueError(f"PatchSpec {self.id!r}: enabled_by and disabled_by are exclusive")
         if self.disabled_by and not self.default:
             raise ValueError(f"PatchSpec {self.id!r}: disabled_by turns off a default-on patch; default=False")
+        if isinstance(self.shown_by, str) or not all(isinstance(c, str) and c for c in self.shown_by):
+            raise ValueError(f"PatchSpec {self.id!r}: shown_by={self.shown_by!r}: expected a tuple of counter names")
         rewritten = {(rw.target.module, rw.target.qualname) for rw in self.rewrites}
         for t in self.targets:
             if t.wrapper is None and (t.module, t.qualname) not in rewritten:

@@ -9,6 +9,7 @@ from packaging.version import Version
 
 from vllm_overlay import reports, settings, versions
 from vllm_overlay.budget import BUDGET_SETTINGS
+from vllm_overlay.cli import levels_line
 from vllm_overlay.errors import OverlayError, SettingError
 from vllm_overlay.output import Out
 
@@ -135,6 +136,8 @@ def run(args: argparse.Namespace) -> int:
                  f"{versions.RELEASES[-1]}: `vllm-overlay matrix`)", "error")
     for text, level in runner_lines(inst.version if inst else None):
         out.line(text, level)
+    if (text := levels_line.line(inst)) is not None:
+        out.line(text)
     try:
         import torch
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from vllm_overlay import settings, versions
+from vllm_overlay.cli import levels_line
 from vllm_overlay.core import decide, unknown_release
 from vllm_overlay.output import Out
 
@@ -34,6 +35,8 @@ def run(args: argparse.Namespace) -> int:
         styles.append(STYLE[d.status])
     out.table(f"vllm-overlay plan on {where}", ("patch", "decision", "reason", "mechanism", "vLLM", "targets"),
               rows, ids=(0, 5), row_styles=styles)
+    if (text := levels_line.line(inst)) is not None:
+        out.line(text)
     if args.ledger:
         for d in decisions:
             s = d.spec

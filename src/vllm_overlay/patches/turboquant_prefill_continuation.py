@@ -70,6 +70,7 @@ SPEC = PatchSpec(
     default=True,
     retire_when=("vLLM's TurboQuant fast path checks every request for cached context (PR 46461 or "
                  "equivalent merged); 0.33.0 does not."),
+    shown_by=("tq_prefill_fast_path_avoided",),
     platforms=("cuda",),
 )
 

@@ -146,6 +146,7 @@ SPEC = PatchSpec(
     default=True,
     retire_when=("vLLM's TurboQuant backend runs verify batches as decode under full CUDA graphs "
                  "(supports_spec_as_decode=True with a multi-query kernel); 0.33.0 does not yet."),
+    shown_by=("tq_verify_as_decode_batches", "tq_exact_seq_lens_batches"),
     platforms=("cuda",),
 )
 

@@ -89,6 +89,7 @@ SPEC = PatchSpec(
     default=True,
     retire_when="the oldest supported release is 0.27.0 or later (TurboQuant specs carry their own "
                 "KVQuantMode there)",
+    shown_by=("tq_v1_kv_shape_fixed",),
     platforms=("cuda",),
 )
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,4 +100,10 @@ def judge(lo: int, hi: int, min_band: int, sizes: dict[int, int], outcome: Outco
         "sizes": {str(k): v for k, v in sorted(sizes.items())},
         "worker_reports": [r.get("_path") for r in workers],
         "worker_roles": [r.get("role") for r in workers],  # tensor parallel: one per rank
+        # what the run is evidence of (bench/evidence.py matches it to a support-level cell)
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "processes": [{"role": r.get("role"), "vllm_version": r.get("vllm_version"), "platform": r.get("platform"),
+                       "runner": r.get("runner") or None,
+                       "patches": {pid: rec.get("status") for pid, rec in (r.get("patches") or {}).items()}}
+                      for r in reports],
     }

@@ -1,0 +1,128 @@
+"""Support levels: for every (vLLM release, model runner, platform) cell of the support matrix and
+every patch, how far the claim that the patch works there has been carried:
+
+- ``gpu-proven``: a GPU run with the overlay served traffic there with the patch applied; the
+  result files under ``bench/results/`` that show it are named, with their dates, as read from them;
+- ``cpu-proven``: an engine test of the suite ran it on vLLM's CPU build (the test is named);
+- ``source-checked``: the matrix says it applies and ``vllm-overlay verify`` checked its targets,
+  anchors and hashes in that release's wheel; no engine with the overlay ran it there;
+- ``unsupported``: the patch does nothing there (not in its support rows, upstream-merged, not
+  needed, or not for that platform).
+
+The proven cells come from ``data/levels.json``, which ``bench/levels.py`` generates from the
+result files and ``tests/engine_proofs.json`` (a test keeps it equal to what the script writes);
+every other cell follows from the PatchSpecs, so a new patch or release is ``source-checked`` until
+evidence names it. Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from packaging.version import Version
+
+from vllm_overlay.spec import PatchSpec
+
+LEVELS = ("unsupported", "source-checked", "cpu-proven", "gpu-proven")  # weakest first
+RUNNERS = ("V1", "V2")
+PLATFORMS = ("cuda", "cpu")
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "levels.json")
+MEANS = {
+    "gpu-proven": "a GPU run with the overlay served traffic with the patch applied (result files named)",
+    "cpu-proven": "an engine test of the suite ran it on vLLM's CPU build (test named)",
+    "source-checked": "targets, anchors and hashes verified in that release's wheel only; no engine with the "
+                      "overlay ran it there",
+    "unsupported": "the patch does nothing there",
+}
+
+
+@dataclass(frozen=True)
+class CellLevel:
+    patch_id: str
+    version: str
+    runner: str
+    platform: str
+    level: str
+    evidence: tuple[str, ...]  # "bench/results/FILE (DATE)" or "tests/FILE::TEST"
+    why: str
+
+
+def rank(level: str) -> int:
+    return LEVELS.index(level)
+
+
+@lru_cache(maxsize=4)
+def _load(path: str) -> dict[tuple[str, str, str, str], dict[str, Any]]:
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    return {(c["patch"], c["vllm"], c["runner"], c["platform"]): c for c in data["cells"]}
+
+
+def proven_cells(path: str = DATA) -> dict[tuple[str, str, str, str], dict[str, Any]]:
+    """(patch, release, runner, platform) -> the generated entry (level, evidence) of each proven cell."""
+    return _load(path)
+
+
+def evidence_text(item: Mapping[str, Any]) -> str:
+    if "test" in item:
+        return str(item["test"])
+    return f"{item['file']} ({item['date']})" + (f" run {item['run']}" if item.get("run") else "")
+
+
+def cell(spec: PatchSpec, version: str, runner: str, platform: str, path: str = DATA) -> CellLevel:
+    """The level of ``spec`` on one cell."""
+    row = spec.support_for(version)
+    if row is None or row.status != "applies":
+        status = row.status if row else "not in the support matrix"
+        return CellLevel(spec.id, version, runner, platform, "unsupported", (), f"vLLM {version}: {status}")
+    if platform not in spec.platforms:
+        return CellLevel(spec.id, version, runner, platform, "unsupported", (),
+                         f"platform {platform}: the patch concerns {', '.join(spec.platforms)} only")
+    entry = proven_cells(path).get((spec.id, version, runner, platform))
+    if entry is None:
+        return CellLevel(spec.id, version, runner, platform, "source-checked", (), MEANS["source-checked"])
+    return CellLevel(spec.id, version, runner, platform, entry["level"],
+                     tuple(evidence_text(e) for e in entry["evidence"]), MEANS[entry["level"]])
+
+
+def expected_runner(version: str, platform: str, environ: Mapping[str, str] | None = None) -> tuple[str | None, str]:
+    """The model runner vLLM's worker will build, as far as it is known before it is built, and why:
+    VLLM_USE_V2_MODEL_RUNNER when set; V1 before 0.22.0 (V2 only on request) and on the CPU build
+    (its V2 needs Triton); otherwise None: vLLM chooses at start-up."""
+    env = os.environ if environ is None else environ
+    asked = (env.get("VLLM_USE_V2_MODEL_RUNNER") or "").strip().lower()
+    if asked in ("1", "true"):
+        return "V2", "VLLM_USE_V2_MODEL_RUNNER=1"
+    if asked in ("0", "false"):
+        return "V1", "VLLM_USE_V2_MODEL_RUNNER=0"
+    if Version(version) < Version("0.22.0"):
+        return "V1", f"vLLM {version} builds Model Runner V2 only with VLLM_USE_V2_MODEL_RUNNER=1"
+    if platform == "cpu":
+        return "V1", "the CPU build's Model Runner V2 needs Triton"
+    return None, "vLLM chooses the runner at start-up (VllmConfig.use_v2_model_runner); set VLLM_USE_V2_MODEL_RUNNER to choose"
+
+
+def for_process(spec: PatchSpec, version: str, platform: str, runner: str | None, path: str = DATA) -> CellLevel:
+    """The level that counts in a process: the cell of ``runner``; where the runner is not known,
+    the weaker of the two runners' cells (a patch never counts as proven on a runner that was not)."""
+    if runner is not None:
+        return cell(spec, version, runner, platform, path)
+    both = [cell(spec, version, r, platform, path) for r in RUNNERS]
+    return min(both, key=lambda c: rank(c.level))
+
+
+def summary_line(specs: tuple[PatchSpec, ...], version: str, platform: str, runner: str | None,
+                 runner_why: str, path: str = DATA) -> str:
+    """One line: the level of each patch on the installed release and the runner vLLM will build."""
+    where = f"vLLM {version} ({platform}, runner {runner or 'V1 or V2, the weaker counts'}: {runner_why})"
+    by_level: dict[str, list[str]] = {}
+    for spec in specs:
+        by_level.setdefault(for_process(spec, version, platform, runner, path).level, []).append(spec.id)
+    parts = [f"{lv}: {', '.join(by_level[lv])}" for lv in reversed(LEVELS) if lv in by_level]
+    return (f"support levels on {where}: " + "; ".join(parts)
+            + f" (source-checked: {MEANS['source-checked']})")

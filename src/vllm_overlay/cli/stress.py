@@ -92,7 +92,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                         "max_num_batched_tokens]")
     p.add_argument("--min-band-forwards", type=int, default=10, metavar="N")
     p.add_argument("--requests", type=int, default=None, metavar="N", help="band prefill requests to send")
-    p.add_argument("--duration", type=seconds("--duration"), default=None, metavar="SECONDS", help="stop sending after this")
+    p.add_argument("--duration", type=seconds("--duration"), default=None, metavar="SECONDS", help="stop sending after this many seconds of timed waves (server mode: the warm-up wave before the "
+                        "clock and the timed waves each end within SECONDS + 30 s, else exit 4; decode streams "
+                        "then get 30 s more)")
     p.add_argument("--out", default="stress-out", metavar="DIR", help="where stress.json and the PNG go")
     p.add_argument("--report-dir", default=None, metavar="DIR",
                    help="server mode: the server's VLLM_OVERLAY_REPORT_DIR (default: this shell's)")

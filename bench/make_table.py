@@ -519,7 +519,7 @@ def verdict_lines(d: dict) -> list[str]:  # type: ignore[type-arg]
 
 
 def runner_lines(d: dict) -> list[str]:  # type: ignore[type-arg]
-    """Per run with runner evidence (bench/stack.py's summary since issue 13's series): the runner each
+    """Per run with runner evidence (bench/stack.py's summary records it): the runner each
     worker built and what the overlay's runner hooks did on it."""
     out = []
     for name, r in d["runs"].items():

@@ -41,9 +41,7 @@ Every server gets the caller's environment less its overlay settings: other vari
 VLLM_USE_V2_MODEL_RUNNER, pass through; `--env` sets more for one server and the state records the
 server's VLLM_* variables. Several servers run side by side with their own LABEL, --port and --gpu
 (CUDA_VISIBLE_DEVICES, in nvidia-smi's order). `steps` and `logprobs` are described in
-bench/serve_measure.py; the plans of device calls: bench/tq_mtp_steps_plan.md (issue 14's
-measurements), bench/v2_plan.md (issue 13's proof on Model Runner V2),
-bench/memory_headroom_plan.md (issue 15's memory under traffic, `memory`: bench/memory_serve.py).
+bench/serve_measure.py, `memory` in bench/memory_serve.py, the series in bench/README.md.
 """
 
 from __future__ import annotations
@@ -1151,7 +1149,7 @@ def cmd_merge(a: argparse.Namespace) -> int:
 # --max-capture 128 captures the CUDA graphs of up to 128 tokens only (vLLM's default mode, fewer sizes:
 # a shorter boot); every measured step (16 streams x 4 tokens at most) is one of them.
 #
-# Issue 13's proof on Model Runner V2 (bench/v2_plan.md): the same geometry without MTP, bf16 KV, with
+# Issue 13's proof on Model Runner V2: the same geometry without MTP, bf16 KV, with
 # VLLM_USE_V2_MODEL_RUNNER=1 set for every server; the overlay's band stress and logprobs, the forced
 # 4096-row buffer (expected to stop with the overlay's CapacityError, at boot or under band traffic:
 # that is its result, not a failure to retry) and stock vLLM's logprobs on the same runner.
@@ -1368,7 +1366,7 @@ SERIES: dict[str, dict[str, Any]] = {
                   ("tq-stock", "--config stock --mtp 0 --env VLLM_USE_V2_MODEL_RUNNER=0", ("logprobs",))],
     },
 }
-# Issue 15's memory proof (bench/memory_headroom_plan.md): no MTP, utilization 0.97, graphs up to 128
+# Issue 15's memory proof: no MTP, utilization 0.97, graphs up to 128
 # tokens. The 16k pair is the bug report's sizing (TurboQuant k8v4 KV, config overlay's cap 4096) with
 # the cap alone (memory-headroom off) and with memory-headroom; the 8k pair is vLLM's own sizing (bf16
 # KV, no cap) with memory-headroom, then measuring only (VLLM_OVERLAY_MEMORY_HEADROOM_DRY_RUN=1: its

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from conftest import clean_env
-from test_bench_stack import parse, plan_series_calls
+from test_bench_stack import parse
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "bench")
@@ -25,9 +25,6 @@ import memory_serve  # noqa: E402
 import stack  # noqa: E402
 
 sys.path.remove(BENCH)
-
-PLAN = os.path.join(BENCH, "memory_headroom_plan.md")
-
 
 def boot_of(label: str):  # type: ignore[no-untyped-def]
     spec = stack.SERIES["issue15"]
@@ -116,21 +113,6 @@ def test_the_series_runs_the_memory_step(tmp_path, monkeypatch, capsys) -> None:
 def test_bad_phases_are_named() -> None:
     with pytest.raises(SystemExit, match=r"memory --phases 'longest,soak': expected some of longest, band"):
         memory_serve.phase_list("longest,soak")
-
-
-def test_the_plan_runs_as_written() -> None:
-    """Every device command of the plan fits a call (2,000 characters, one line) and parses; the
-    series it names exists with the labels the plan lists; the merge names every label."""
-    text = open(PLAN).read()
-    blocks, _, calls = plan_series_calls(text, "issue15", 2)
-    assert calls and all(not a.labels for a in calls)
-    merge = next(b for b in blocks if "merge" in b).splitlines()[0]
-    m = parse(shlex.split(merge)[2:])
-    assert m.step == "merge" and [r.split("=")[0] for r in m.runs] == [x for x, _ in stack.SERIES["issue15"]["items"]]
-    for label, _ in stack.SERIES["issue15"]["items"]:
-        assert f"`{label}`" in text
-    for p in [f".gpu/part0{i}" for i in range(5)]:
-        assert f"`{p}`" in text
 
 
 def test_nvidia_smi_rounds() -> None:

@@ -6,7 +6,6 @@ driven through `series` across two "calls" (engine-marked)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -305,39 +304,6 @@ def test_spec_counters_and_overlay_deltas(tmp_path, monkeypatch) -> None:  # typ
                  "top_forward_sizes": {"64": 10, "4": 3, "8192": 1}}
 
 
-PLAN = os.path.join(BENCH, "tq_mtp_steps_plan.md")
-
-
-def test_the_plan_runs_as_written() -> None:
-    """Every command of the plan fits a device call (2,000 characters) and parses; the series it
-    names exists, with the labels and settings the plan describes."""
-    text = open(PLAN).read()
-    blocks = re.findall(r"```\n(.*?)\n```", text, re.S)
-    device = [b for b in blocks if "series" in b and "merge" not in b]
-    assert len(device) == 4
-    for cmd in device:
-        assert len(cmd) <= 2000 and "\n" not in cmd
-        for part in cmd.split(";"):
-            argv = shlex.split(re.sub(r"\$\(\([^)]*\)\)", "500", part))
-            if argv[:2] == ["python3", "bench/stack.py"]:
-                a = parse(argv[2:])
-                assert a.step == "series" and a.compact and a.name == "issue14"
-                labels = a.labels.split(",")
-                assert set(labels) <= {x for x, _ in stack.SERIES["issue14"]["items"]}
-                assert labels[0] == "tq-mtp" and ("tq-nomtp" in labels and "bf16-mtp" in labels)
-    merge = next(b for b in blocks if "merge" in b).splitlines()[0]
-    assert parse(shlex.split(merge)[2:]).step == "merge"
-    spec = stack.SERIES["issue14"]
-    assert parse(["steps", "x", *shlex.split(spec["steps"])]).contexts == "2048,32768"
-    assert parse(["logprobs", "x", *shlex.split(spec["logprobs"])]).top == 20
-    for _, boot in spec["items"]:
-        parse(["boot", "x", *shlex.split(spec["boot"]), *shlex.split(boot)])
-    # staging: each call's carry stays under the 64 MiB a call may carry
-    parts = [f".gpu/part0{i}" for i in range(5)]
-    for p in parts:
-        assert f"`{p}`" in text
-
-
 # ---- a real server (CPU build): the series across two device-call-like invocations ---------------------
 
 
@@ -494,7 +460,7 @@ def test_steps_control_flow(tmp_path, monkeypatch) -> None:  # type: ignore[no-u
     assert asked == [] and "2x200" not in json.load(open(tmp_path / "state" / "x" / "steps.json"))["points"]
 
 
-# ---- issue 13: the series on Model Runner V2 (bench/v2_plan.md) --------------------------------------
+# ---- issue 13: the series on Model Runner V2 ---------------------------------------------------------
 
 
 def test_server_env_passes_the_callers_variables_and_drops_its_overlay_settings(monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -742,52 +708,8 @@ def test_issue13_series_edges_on_cpu(tmp_path) -> None:  # type: ignore[no-untyp
     assert ev["built"] == ["V1"] and ev["guard_trips"] == 1 and ev["capacity_error"]
 
 
-def plan_series_calls(text: str, name: str, count: int) -> tuple[list[str], list[str], list[argparse.Namespace]]:
-    """A device plan's code blocks, the ``count`` blocks that run ``series NAME``, and the parsed
-    `stack.py` calls in them: each block fits a device call (2,000 characters, one line) and each
-    `stack.py` in it parses as `series NAME --compact` with a deadline of 570 s (or the first call's
-    remainder) and labels of that series."""
-    blocks = re.findall(r"```\n(.*?)\n```", text, re.S)
-    device = [b for b in blocks if f"series {name}" in b]
-    assert len(device) == count
-    known = {x for x, _, _ in stack.series_items(stack.SERIES[name])}
-    calls = []
-    for cmd in device:
-        assert len(cmd) <= 2000 and "\n" not in cmd
-        found = re.findall(r"python3 bench/stack.py ([^;&|>]*)", re.sub(r"\$\(\([^)]*\)\)", "500", cmd))
-        assert found
-        for rest in found:
-            a = parse(shlex.split(rest))
-            assert a.step == "series" and a.name == name and a.compact and a.deadline in (570, 500)
-            assert set(filter(None, a.labels.split(","))) <= known
-            calls.append(a)
-    return blocks, device, calls
-
-
-V2_PLAN = os.path.join(BENCH, "v2_plan.md")
-
-
-def test_the_v2_plan_runs_as_written() -> None:
-    """bench/v2_plan.md: every device command fits a call (2,000 characters, one line) and each
-    `stack.py` in it parses as `series issue13 --compact`; the staging calls carry every part of
-    .gpu/0.26.0 (MANIFEST first); the merge names the series' labels."""
-    text = open(V2_PLAN).read()
-    blocks, device, _ = plan_series_calls(text, "issue13", 3)
-    assert "bash bench/gpu/device_install.sh 0.26.0" in device[0] and os.path.isfile(
-        os.path.join(BENCH, "gpu", "device_install.sh"))
-    rows = [ln for ln in text.splitlines() if re.match(r"\| [1-5] \|", ln)]
-    assert len(rows) == 5 and "`.gpu/0.26.0/MANIFEST`" in rows[0]
-    carried = re.findall(r"`(\.gpu/0\.26\.0/[^`]+)`", "\n".join(rows))
-    assert sorted(carried) == sorted([f".gpu/0.26.0/part0{i}" for i in range(5)]
-                                     + [".gpu/0.26.0/MANIFEST", ".gpu/0.26.0/zstandard.whl"])
-    merge = next(b for b in blocks if "merge" in b).splitlines()[0]
-    m = parse(shlex.split(merge)[2:])
-    assert m.step == "merge" and m.result == "bench/results/stack-issue13-v2-h200.json"
-    assert [r.split("=")[0] for r in m.runs] == [x for x, _, _ in stack.series_items(stack.SERIES["issue13"])]
-
-
 def test_serve_config_check_starts() -> None:
-    """bench/gpu/serve_config_check.py needs a staged vLLM (bench/v2_plan.md says where it ran); here
+    """bench/gpu/serve_config_check.py needs a staged vLLM (bench/gpu/README.md); here
     only that it loads and knows the series."""
     p = subprocess.run([sys.executable, os.path.join(BENCH, "gpu", "serve_config_check.py"), "--help"],
                        capture_output=True, text=True, timeout=60, check=False)

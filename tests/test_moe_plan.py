@@ -1,4 +1,4 @@
-"""The fused-MoE device runs (bench/moe_plan.md, bench/moe_queue.json) on the CPU: bench.py's new
+"""The fused-MoE device runs (bench/moe_queue.json) on the CPU: bench.py's new
 arguments and mixes, bench/devqueue.py across device-call-like invocations (the runner goes on between
 them, a died runner's job runs once more, packs and unpack), bench/moe_merge.py and the BENCHMARKS
 sections it feeds, and every command of the plan; then the plan's own job file with its commands turned
@@ -32,7 +32,6 @@ import moe_merge  # noqa: E402
 
 sys.path.remove(BENCH)
 
-PLAN = os.path.join(BENCH, "moe_plan.md")
 JOBS = os.path.join(BENCH, "moe_queue.json")
 
 
@@ -219,25 +218,6 @@ def test_the_job_file_runs_as_written() -> None:
     low = seen_bench["stock-4096"]
     assert low.mnbt == 4096 and {"prefill-heavy", "mixed-long"} <= set(low.workloads.split(","))
     assert not seen_bench["overlay-default"].moe_config_dir and seen_bench["overlay-default"].mnbt == 8192
-
-
-def test_the_plan_runs_as_written() -> None:
-    """Each device command of the plan fits a call (2,000 characters, one line), runs the job file's
-    queue, and stages as the calls before it carry."""
-    text = open(PLAN).read()
-    blocks = re.findall(r"```\n(.*?)\n```", text, re.S)
-    device = [b for b in blocks if "devqueue.py run" in b]
-    assert len(device) >= 3
-    for cmd in device:
-        assert len(cmd) <= 2000 and "\n" not in cmd, cmd
-        argv = shlex.split(re.sub(r"\$\(\([^)]*\)\)", "500", "python3 " + cmd.split("; python3 ", 1)[1]))
-        assert argv[:3] == ["python3", "bench/devqueue.py", "run"]
-        a = devqueue.build_parser().parse_args(argv[2:])
-        devqueue.load_jobs(os.path.join(ROOT, a.jobs), a.only)
-        assert a.deadline <= 570
-    for i in range(5):
-        assert f"`.gpu/part0{i}`" in text
-    assert "bench/moe_merge.py" in text and "devqueue.py unpack" in text
 
 
 # ---- merge and the BENCHMARKS sections ---------------------------------------------------------------

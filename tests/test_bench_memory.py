@@ -1,4 +1,4 @@
-"""bench/stack.py's `memory` step and `series issue15` (bench/memory_serve.py) on the CPU: the series'
+"""bench/stack.py's `memory` step and `series memory` (bench/memory_serve.py) on the CPU: the series'
 configurations, the plan's device commands, the nvidia-smi reader, the table; then a real `vllm serve`
 of the tiny hybrid driven through the series across two "calls", with memory-headroom's runtime
 windows opened by the step's marks (engine-marked)."""
@@ -27,15 +27,15 @@ import stack  # noqa: E402
 sys.path.remove(BENCH)
 
 def boot_of(label: str):  # type: ignore[no-untyped-def]
-    spec = stack.SERIES["issue15"]
+    spec = stack.SERIES["memory"]
     return parse(["boot", label, *shlex.split(spec["boot"]), *shlex.split(dict(spec["items"])[label])])
 
 
-def test_issue15_configurations() -> None:
+def test_memory_series_configurations() -> None:
     """Two pairs, each booting the same graphs: the bug report's sizing (TurboQuant, cap 4096 from
     config overlay, mnbt 16384) without and with memory-headroom, and vLLM's own sizing (bf16, cap 0)
     with memory-headroom and measuring only. No MTP, 0.97, graphs up to 128 tokens."""
-    spec = stack.SERIES["issue15"]
+    spec = stack.SERIES["memory"]
     assert [x for x, _ in spec["items"]] == ["tq16k-cap", "tq16k-headroom", "bf16-8k-headroom", "bf16-8k-vllm"]
     b = {label: boot_of(label) for label, _ in spec["items"]}
     for a in b.values():
@@ -54,15 +54,15 @@ def test_issue15_configurations() -> None:
 
 
 def test_only_a_boot_stopped_by_memory_headroom_boots_again() -> None:
-    """issue15: a boot memory-headroom's forward stopped boots again with the patch off (a finding,
-    kept aside); any other failed boot is a result. issue14 keeps both second boots."""
+    """memory: a boot memory-headroom's forward stopped boots again with the patch off (a finding,
+    kept aside); any other failed boot is a result. tq-mtp-steps keeps both second boots."""
     args = ["--config", "overlay", "--max-capture", "128"]
     headroom = "HeadroomError: vllm-overlay memory-headroom: the measuring forward of 16384 tokens failed"
-    issue15, issue14 = stack.SERIES["issue15"]["fallbacks"], stack.SERIES["issue14"]["fallbacks"]
-    assert stack.boot_fallback(args, headroom, issue15) == (
+    memory, steps = stack.SERIES["memory"]["fallbacks"], stack.SERIES["tq-mtp-steps"]["fallbacks"]
+    assert stack.boot_fallback(args, headroom, memory) == (
         [*args, "--overlay-env", "VLLM_OVERLAY_MEMORY_HEADROOM=0"], "with memory-headroom")
-    assert stack.boot_fallback(args, "torch.OutOfMemoryError: CUDA out of memory", issue15) is None
-    assert stack.boot_fallback(args, "torch.OutOfMemoryError", issue14)[1] == "with --max-capture"
+    assert stack.boot_fallback(args, "torch.OutOfMemoryError: CUDA out of memory", memory) is None
+    assert stack.boot_fallback(args, "torch.OutOfMemoryError", steps)[1] == "with --max-capture"
 
 
 def test_the_series_runs_the_memory_step(tmp_path, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
@@ -83,28 +83,28 @@ def test_the_series_runs_the_memory_step(tmp_path, monkeypatch, capsys) -> None:
         return answers.pop(0) if argv[0] == "memory" else 0
 
     monkeypatch.setattr(stack, "dispatch", dispatch)
-    spec = stack.SERIES["issue15"]
+    spec = stack.SERIES["memory"]
 
     def served(label: str) -> None:
         os.makedirs(stack.sdir(label))
         stack.save_state(label, {"label": label, "pid": os.getpid(), "port": 1, "config": "overlay", "started": 0,
-                                 "healthy_after_s": 1.0, "vllm_args": {}, "series": {"series": "issue15"}})
+                                 "healthy_after_s": 1.0, "vllm_args": {}, "series": {"series": "memory"}})
 
     served("tq16k-headroom")
-    rc = stack.main(["series", "issue15", "--labels", "tq16k-headroom", "--deadline", "120"])
+    rc = stack.main(["series", "memory", "--labels", "tq16k-headroom", "--deadline", "120"])
     assert rc == 10 and calls == [], capsys.readouterr().out  # 120 - 45 s left: below the least budget of 100
     answers[:] = [3, 0]
-    rc = stack.main(["series", "issue15", "--labels", "tq16k-headroom", "--deadline", "400"])
+    rc = stack.main(["series", "memory", "--labels", "tq16k-headroom", "--deadline", "400"])
     assert rc == 0, capsys.readouterr().out
     assert [c[0] for c in calls] == ["memory", "memory", "stop"]
     assert calls[0][1:-2] == ["tq16k-headroom", *shlex.split(spec["memory"])] and calls[0][-2] == "--budget-s"
     assert 340 <= float(calls[0][-1]) <= 355
-    assert stack.load_state("tq16k-headroom")["series"] == {"series": "issue15", "runner": [], "runner_from": None,
+    assert stack.load_state("tq16k-headroom")["series"] == {"series": "memory", "runner": [], "runner_from": None,
                                                             "memory_rc": 0, "done": True}
     calls.clear()
     served("bf16-8k-vllm")
     answers[:] = [1]
-    rc = stack.main(["series", "issue15", "--labels", "bf16-8k-vllm", "--deadline", "400", "--memory", "--phases burst"])
+    rc = stack.main(["series", "memory", "--labels", "bf16-8k-vllm", "--deadline", "400", "--memory", "--phases burst"])
     out = capsys.readouterr().out
     assert rc == 0 and "bf16-8k-vllm: FAILED: memory ended with 1 (the server died?)" in out, out
     assert calls == [["memory", "bf16-8k-vllm", "--phases", "burst", "--budget-s", calls[0][-1]], ["stop", "bf16-8k-vllm"]]
@@ -168,7 +168,7 @@ def test_memory_table() -> None:
 
 @pytest.mark.engine
 def test_memory_series_on_a_real_cpu_server(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """`series issue15` on the tiny hybrid through `vllm serve` (CPU build, eager, mnbt 2048,
+    """`series memory` on the tiny hybrid through `vllm serve` (CPU build, eager, mnbt 2048,
     max_num_seqs 32, max-model-len 8192): the first invocation runs out of its deadline during the
     boot (NOT DONE); the second runs the four phases, each in its own window of memory-headroom's
     watch (dry run: vLLM's KV size), and merge renders the table. The CPU build meters the resident
@@ -179,7 +179,7 @@ def test_memory_series_on_a_real_cpu_server(tmp_path) -> None:  # type: ignore[n
                     PYTHONPATH=os.path.join(ROOT, "src"))
     boot = ("--model tiny --mnbt 2048 --max-model-len 8192 --mem 0.3 --additional-config '' "
             "--extra '--max-num-seqs 32 --enforce-eager --no-enable-prefix-caching'")
-    cmd = [sys.executable, os.path.join(BENCH, "stack.py"), "series", "issue15", "--compact", "--labels",
+    cmd = [sys.executable, os.path.join(BENCH, "stack.py"), "series", "memory", "--compact", "--labels",
            "bf16-8k-vllm", "--base-port", str(free_port_block(4)), "--boot-extra", boot,
            "--memory", "--band-seconds 10 --min-band 3 --mixed-tokens 256"]
     try:
@@ -187,7 +187,7 @@ def test_memory_series_on_a_real_cpu_server(tmp_path) -> None:  # type: ignore[n
         assert first.returncode == 10, first.stdout[-3000:] + first.stderr[-3000:]
         second = subprocess.run([*cmd, "--deadline", "400"], env=env, capture_output=True, text=True, timeout=600)
         log = second.stdout[-6000:] + second.stderr[-3000:]
-        assert second.returncode == 0 and "series issue15: all done" in second.stdout, log
+        assert second.returncode == 0 and "series memory: all done" in second.stdout, log
     finally:  # no server outlives the test
         if os.path.exists(tmp_path / "state" / "bf16-8k-vllm" / "state.json"):
             subprocess.run([sys.executable, os.path.join(BENCH, "stack.py"), "stop", "bf16-8k-vllm", "--compact"],

@@ -1,4 +1,4 @@
-"""bench/stack.py's measuring steps for issue 14 (verify-step times, logprobs, their comparison and
+"""bench/stack.py's measuring steps for tq-mtp-steps (verify-step times, logprobs, their comparison and
 table, the device-call plan) on the CPU: argument parsing, the step-time and comparison arithmetic on
 synthetic rounds and on a stream and a logprobs answer recorded from vLLM's CPU build (0.32.0, tiny
 hybrid, dummy weights), merge and the BENCHMARKS table; then a real `vllm serve` of the tiny model
@@ -51,7 +51,7 @@ def test_cli_keeps_the_old_steps_and_adds_the_new_options() -> None:
     assert (lp.prompts, lp.top, lp.max_tokens, lp.out) == (8, 20, 4, "lp")
     assert parse(["decode", "tq"]).tokens == 256 and parse(["stress", "tq"]).min_band == 1000
     assert parse(["compare", "a.json", "b.json#lp"]).b == "b.json#lp"
-    se = parse(["series", "issue14", "--deadline", "570", "--gpus", "0,1", "--compact"])
+    se = parse(["series", "tq-mtp-steps", "--deadline", "570", "--gpus", "0,1", "--compact"])
     assert se.compact and se.gpus == "0,1" and se.deadline == 570
 
 
@@ -63,7 +63,7 @@ def test_bad_values_are_named() -> None:
     with pytest.raises(SystemExit, match=r"--contexts '0'"):
         stack.int_list("0", "--contexts")
     with pytest.raises(SystemExit, match=r"--labels 'tq-mtp,nope': expected labels from"):
-        stack.cmd_series(parse(["series", "issue14", "--deadline", "1", "--labels", "tq-mtp,nope"]))
+        stack.cmd_series(parse(["series", "tq-mtp-steps", "--deadline", "1", "--labels", "tq-mtp,nope"]))
 
 
 def test_model_folders(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -327,7 +327,7 @@ def test_series_on_a_real_cpu_server(tmp_path) -> None:  # type: ignore[no-untyp
                     PYTHONPATH=os.path.join(ROOT, "src"))
     boot = ("--model tiny --spec-method ngram --mnbt 2048 --max-model-len 8192 --mem 0.3 --additional-config '' "
             "--extra '--max-num-seqs 32 --enforce-eager --no-enable-prefix-caching'")
-    cmd = [sys.executable, os.path.join(BENCH, "stack.py"), "series", "issue14", "--compact", "--labels",
+    cmd = [sys.executable, os.path.join(BENCH, "stack.py"), "series", "tq-mtp-steps", "--compact", "--labels",
            "bf16-mtp,bf16-nomtp", "--base-port", str(free_port_block(4)), "--boot-extra", boot,
            "--steps", "--streams 1,4 --contexts 128,1024 --tokens 8 --reps 2",
            "--logprobs", "--prompts 3 --lengths 16,600,5000 --out lp"]
@@ -338,7 +338,7 @@ def test_series_on_a_real_cpu_server(tmp_path) -> None:  # type: ignore[no-untyp
         second = subprocess.run([*cmd, "--deadline", "400"], env=env, capture_output=True, text=True, timeout=600)
         log = second.stdout[-6000:] + second.stderr[-3000:]
         assert second.returncode == 0, log
-        assert "series issue14: all done" in second.stdout
+        assert "series tq-mtp-steps: all done" in second.stdout
     finally:  # no server outlives the test
         for label in ("bf16-mtp", "bf16-nomtp"):
             if os.path.exists(tmp_path / "state" / label / "state.json"):
@@ -380,7 +380,7 @@ def test_series_boots_once_more_without_max_capture_then_gives_up(tmp_path) -> N
     series has nothing left to do. Here vLLM refuses an unknown argument both times."""
     env = clean_env(STACK_STATE_DIR=str(tmp_path / "state"), OUT=str(tmp_path / "out"),
                     PYTHONPATH=os.path.join(ROOT, "src"))
-    cmd = [sys.executable, os.path.join(BENCH, "stack.py"), "series", "issue14", "--compact", "--labels", "bf16-nomtp",
+    cmd = [sys.executable, os.path.join(BENCH, "stack.py"), "series", "tq-mtp-steps", "--compact", "--labels", "bf16-nomtp",
            "--base-port", str(free_port_block(4)), "--boot-extra",
            "--model tiny --mnbt 2048 --max-model-len 8192 --additional-config '' --extra=--no-such-vllm-flag",
            "--deadline", "240"]
@@ -418,9 +418,9 @@ def test_series_stops_on_refused_boot_arguments(tmp_path, monkeypatch, capsys) -
     monkeypatch.setattr(stack, "STATE", str(tmp_path / "state"))
     monkeypatch.setenv("OUT", str(tmp_path / "out"))
     monkeypatch.setattr(stack, "REFUSED", {})
-    rc = stack.main(["series", "issue14", "--labels", "tq-mtp", "--deadline", "30", "--boot-extra", "--gpu x"])
+    rc = stack.main(["series", "tq-mtp-steps", "--labels", "tq-mtp", "--deadline", "30", "--boot-extra", "--gpu x"])
     text = capsys.readouterr().out
-    assert rc == 2 and "tq-mtp: FAILED: boot refused its arguments" in text and "do not call again" in text
+    assert rc == 2 and "tq-mtp: FAILED: boot refused its arguments" in text and "fix them before running it again" in text
 
 
 def test_steps_control_flow(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -460,7 +460,7 @@ def test_steps_control_flow(tmp_path, monkeypatch) -> None:  # type: ignore[no-u
     assert asked == [] and "2x200" not in json.load(open(tmp_path / "state" / "x" / "steps.json"))["points"]
 
 
-# ---- issue 13: the series on Model Runner V2 ---------------------------------------------------------
+# ---- v2-bf16: the series on Model Runner V2 ---------------------------------------------------------
 
 
 def test_server_env_passes_the_callers_variables_and_drops_its_overlay_settings(monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -488,8 +488,8 @@ def test_server_env_passes_the_callers_variables_and_drops_its_overlay_settings(
         stack.server_env("overlay", "VLLM_USE_V2_MODEL_RUNNER=1", None, None, "/r")
 
 
-def test_the_issue13_series_is_what_the_plan_says() -> None:
-    spec = stack.SERIES["issue13"]
+def test_the_v2_bf16_series_is_what_the_plan_says() -> None:
+    spec = stack.SERIES["v2-bf16"]
     items = stack.series_items(spec)
     assert [(x, p) for x, _, p in items] == [("v2-overlay", ("stress", "logprobs")), ("v2-forced-guard", ("guard",)),
                                              ("v2-stock", ("logprobs",))]
@@ -507,9 +507,9 @@ def test_the_issue13_series_is_what_the_plan_says() -> None:
     assert (s.min_band, s.duration) == (500, 240)
     assert parse(["logprobs", "x", *shlex.split(spec["logprobs"])]).out == "lp"
     assert spec["expect_runner"] == "V2" and spec["compare"] == (("v2-overlay", "v2-stock", "lp"),)
-    # issue 14's items keep their default (steps, logprobs)
-    assert {p for _, _, p in stack.series_items(stack.SERIES["issue14"])} == {("steps", "logprobs")}
-    # a failed boot of issue 13 boots again only when memory-headroom stopped it (not for --max-capture)
+    # tq-mtp-steps' items keep their default (steps, logprobs)
+    assert {p for _, _, p in stack.series_items(stack.SERIES["tq-mtp-steps"])} == {("steps", "logprobs")}
+    # a failed boot of v2-bf16 boots again only when memory-headroom stopped it (not for --max-capture)
     args = ["--config", "overlay", "--max-capture", "128"]
     assert stack.boot_fallback(args, "RuntimeError: CUDA error", ("headroom",)) is None
     assert stack.boot_fallback(args, "vllm-overlay memory-headroom: x HeadroomError", ("headroom",))[1] == \
@@ -592,11 +592,11 @@ def test_series_stops_when_a_worker_built_another_runner(tmp_path, monkeypatch, 
         (d / "reports" / "overlay-5.json").write_text(json.dumps(v2_worker_report(5, kind="V1")))
         stack.save_state("v2-overlay", {"label": "v2-overlay", "pid": server.pid, "port": 1, "config": "overlay",
                                         "started": 0, "healthy_after_s": 1.0, "vllm_args": {}})
-        rc = stack.main(["series", "issue13", "--labels", "v2-overlay,v2-stock", "--deadline", "60"])
+        rc = stack.main(["series", "v2-bf16", "--labels", "v2-overlay,v2-stock", "--deadline", "60"])
         text = capsys.readouterr().out
         assert rc == 2, text
         assert "v2-overlay: FAILED: its workers built the V1 model runner, V2 expected" in text
-        assert "v2-stock: not started" in text and "do not call again" in text
+        assert "v2-stock: not started" in text and "every later label would build the same runner" in text
         assert server.wait(timeout=30) is not None  # `stop` ended it
         mark = stack.load_state("v2-overlay")["series"]
         assert mark["runner"] == ["V1"] and mark["runner_from"] == "overlay reports"
@@ -605,7 +605,7 @@ def test_series_stops_when_a_worker_built_another_runner(tmp_path, monkeypatch, 
             server.kill()
     # --expect-runner '' checks nothing; a value outside V1/V2 is refused
     with pytest.raises(SystemExit, match=r"--expect-runner 'V3': expected V1, V2 or ''"):
-        stack.main(["series", "issue13", "--deadline", "1", "--expect-runner", "V3"])
+        stack.main(["series", "v2-bf16", "--deadline", "1", "--expect-runner", "V3"])
 
 
 CPU_BOOT = ("--model tiny --max-model-len 8192 --mem 0.3 --additional-config '' "
@@ -620,8 +620,8 @@ def stop_all(env: dict[str, str], labels: tuple[str, ...], state: str) -> None:
 
 
 @pytest.mark.engine
-def test_issue13_series_on_a_real_cpu_server(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """`series issue13` through `vllm serve` of the tiny hybrid on the CPU build, which cannot build
+def test_v2_bf16_series_on_a_real_cpu_server(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`series v2-bf16` through `vllm serve` of the tiny hybrid on the CPU build, which cannot build
     Model Runner V2 ("Model Runner V2 requires Triton"): the V1 runner, asked for with --env and
     --expect-runner V1, mnbt 8192, eager, a short stress. The overlay passes its stress and serves
     logprobs; the forced 4096-row buffer serves (no CUDA graph capture, so no full-size forward at boot)
@@ -631,7 +631,7 @@ def test_issue13_series_on_a_real_cpu_server(tmp_path) -> None:  # type: ignore[
     starting it; the same command then does the rest, as the next device call would."""
     state, out = str(tmp_path / "state"), str(tmp_path / "out")
     env = clean_env(STACK_STATE_DIR=state, OUT=out, PYTHONPATH=os.path.join(ROOT, "src"))
-    cmd = [sys.executable, os.path.join(BENCH, "stack.py"), "series", "issue13", "--compact", "--expect-runner", "V1",
+    cmd = [sys.executable, os.path.join(BENCH, "stack.py"), "series", "v2-bf16", "--compact", "--expect-runner", "V1",
            "--base-port", str(free_port_block(4)), "--boot-extra", f"--env VLLM_USE_V2_MODEL_RUNNER=0 {CPU_BOOT}",
            "--stress", "--min-band 3 --duration 60", "--guard-stress", "--min-band 3 --duration 30",
            "--logprobs", "--prompts 3 --lengths 16,600,5000 --out lp"]
@@ -643,7 +643,7 @@ def test_issue13_series_on_a_real_cpu_server(tmp_path) -> None:  # type: ignore[
     finally:
         stop_all(env, ("v2-overlay", "v2-forced-guard", "v2-stock"), state)
     log = p.stdout[-8000:] + p.stderr[-3000:]
-    assert p.returncode == 0 and "series issue13: all done" in p.stdout, log
+    assert p.returncode == 0 and "series v2-bf16: all done" in p.stdout, log
     assert "v2-overlay: done; healthy after" in p.stdout and "stress PASSED" in p.stdout, log
     assert ("v2-forced-guard: done, stopped under band traffic with the overlay's CapacityError (as expected)"
             in p.stdout), log
@@ -671,10 +671,10 @@ def test_issue13_series_on_a_real_cpu_server(tmp_path) -> None:  # type: ignore[
 
 
 @pytest.mark.engine
-def test_issue13_series_edges_on_cpu(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_v2_bf16_series_edges_on_cpu(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """The caller's VLLM_USE_V2_MODEL_RUNNER reaches the server (the CPU build refuses V2 at config time:
     "Model Runner V2 requires Triton", which is how this shows it), as does the series' own --env, and
-    a failed boot of issue 13 is not booted again without --max-capture. Then the forced buffer with
+    a failed boot of v2-bf16 is not booted again without --max-capture. Then the forced buffer with
     memory-headroom on: its forward of max_num_batched_tokens stops the boot with CapacityError, which
     the series records as the expected outcome."""
     state, out = str(tmp_path / "state"), str(tmp_path / "out")
@@ -689,7 +689,7 @@ def test_issue13_series_edges_on_cpu(tmp_path) -> None:  # type: ignore[no-untyp
         b = json.load(open(os.path.join(out, "passthrough.json")))
         assert "Model Runner V2 requires Triton" in b["logs"]["serve.log"]
         assert b["summary"]["vllm_env"]["VLLM_USE_V2_MODEL_RUNNER"] == "1"
-        series = [sys.executable, stack_py, "series", "issue13", "--compact", "--base-port", str(port)]
+        series = [sys.executable, stack_py, "series", "v2-bf16", "--compact", "--base-port", str(port)]
         p = subprocess.run([*series, "--labels", "v2-overlay", "--boot-extra", CPU_BOOT, "--deadline", "200"],
                            env=env, capture_output=True, text=True, timeout=300)
         assert p.returncode == 0 and "v2-overlay: FAILED: boot failed" in p.stdout, p.stdout[-4000:]
@@ -713,7 +713,7 @@ def test_serve_config_check_starts() -> None:
     only that it loads and knows the series."""
     p = subprocess.run([sys.executable, os.path.join(BENCH, "gpu", "serve_config_check.py"), "--help"],
                        capture_output=True, text=True, timeout=60, check=False)
-    assert p.returncode == 0 and "issue13" in p.stdout, p.stderr
+    assert p.returncode == 0 and "v2-bf16" in p.stdout, p.stderr
 
 
 # ---- TurboQuant + MTP verify steps: series tqspec ---------------------------------------------------
@@ -809,7 +809,7 @@ def test_tqspec_verdict_names_what_the_runs_show() -> None:
     # both match: the source reading is refuted, and the plan's revision named
     runs["tq-mtp-off"] = tq_run("tq-mtp-off", disabled=True, lp=shifted_lp(0.0))
     last = verdict_of(runs)[-1]
-    assert last.startswith("conclusion: REFUTED") and "Support rows from 0.22.0" in last
+    assert last.startswith("conclusion: REFUTED") and "does not hold here" in last
     # the patch moves them (another top-1): the patch is wrong, whatever the stock path did
     runs["tq-mtp-on"] = tq_run("tq-mtp-on", lp=shifted_lp(0.0, top1_at=1))
     lines = verdict_of(runs)
@@ -875,7 +875,7 @@ def test_tqspec_verdict_says_when_a_run_tests_nothing() -> None:
     assert lines[0] == "tq-nomtp (reference): NOT A TEST: KV cache auto, not TurboQuant"
     assert lines[1].startswith("tq-mtp-on (on): NOT A TEST: KV cache auto, not TurboQuant; turboquant-spec-decode "
                                "applied in no worker (['not-needed'])")
-    # runs of other series (issue 14's tq-mtp and tq-nomtp) are no business of this verdict in merge
+    # runs of other series (tq-mtp-steps' tq-mtp and tq-nomtp) are no business of this verdict in merge
     assert stack.tqspec_verdict({"tq-nomtp": {**ref, "series": {}}}, {}) == []
 
 
@@ -903,10 +903,10 @@ def test_merge_prints_the_tqspec_verdict_for_the_series_runs_only(tmp_path, caps
     page = "\n".join(make_table.stack_section([str(out)]))
     assert "Verdict of `bench/stack.py series tqspec` (from the merged runs):" in page
     assert "- conclusion: CONFIRMED: stock vLLM's verify steps" in page
-    # the same runs without the series' mark (e.g. issue 14's): no verdict
+    # the same runs without the series' mark (e.g. tq-mtp-steps'): no verdict
     for name in runs:
         b = json.load(open(tmp_path / f"{name}.json"))
-        b["summary"]["series"] = {"series": "issue14"}
+        b["summary"]["series"] = {"series": "tq-mtp-steps"}
         (tmp_path / f"{name}.json").write_text(json.dumps(b))
     assert stack.main(["merge", str(out), *paths]) == 0
     assert "verdict" not in capsys.readouterr().out and "verdicts" not in json.load(open(out))

@@ -14,7 +14,7 @@
                                                       # memory per phase (bench/memory_serve.py)
   python3 bench/stack.py series tq-mtp-steps [--gpus 0,1] [--labels a,b] [--deadline S]  # label after label:
                                                       # boot, steps, logprobs, stop; the same command resumes
-  python3 bench/stack.py series v2-bf16               # Model Runner V2: stress + logprobs, forced guard, stock
+  python3 bench/stack.py series v2-bf16               # Model Runner V2: stress, logprobs, forced guard, stock
   python3 bench/stack.py series tqspec                # TurboQuant + MTP, the overlay's verify path off / on
   python3 bench/stack.py series memory                # memory under traffic: cap vs memory-headroom vs vLLM
   python3 bench/stack.py stop LABEL                   # ends the server, then `collect`
@@ -85,8 +85,8 @@ CONFIGS = {
                      "VLLM_OVERLAY_MEMORY_HEADROOM": "0"},
     "stock": {"VLLM_OVERLAY": "0"},
 }
-# NVLink multicast stays off (multi-GPU hosts whose NVSwitch multicast is not set up fail in NCCL); vLLM's symmetric-memory
-# all-reduce is kept off with it.
+# NVLink multicast stays off, as on the multi-GPU H200 hosts of the recorded runs; vLLM's
+# symmetric-memory all-reduce is kept off with it.
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
                  "VLLM_ALLREDUCE_USE_SYMM_MEM": "0"}
 SPEC_METRIC = re.compile(r"^(vllm:spec_decode_num_(?:drafts|draft_tokens|accepted_tokens)_total)(\{[^}]*\})? "
@@ -1580,7 +1580,7 @@ def run_series_queue(name: str, items: list[tuple[str, list[str], tuple[str, ...
                               and opts["logprobs"] is not None and "logprobs_rc" not in mark)
             if "stress" in phases and "stress_rc" not in mark and not logprobs_first:
                 if t_end - time.time() < opts["stress_s"] + SERIES_STRESS_EXTRA_S:
-                    return  # a stress is not resumable: it starts only with room for all of it before the deadline
+                    return  # a stress is not resumable: it starts only with room for all of it
                 rc = dispatch(["stress", label, *opts["stress"]])
                 series_mark(label, stress_rc=rc, stress=stress_verdict(label))
                 if not alive(load_state(label)["pid"]):
@@ -1750,7 +1750,7 @@ def cmd_series(a: argparse.Namespace) -> int:
         "logprobs": None if a.no_logprobs else args_of("logprobs", a.logprobs),
         "fallbacks": tuple(spec.get("fallbacks", ("headroom", "max-capture"))), "expect_runner": expect,
         "stagger": a.stagger}
-    for key in ("stress", "guard_stress"):  # how long a stress may take decides whether it starts before the deadline
+    for key in ("stress", "guard_stress"):  # how long a stress may take: whether it starts before the deadline
         opts[f"{key}_s"] = build_parser().parse_args(["stress", "x", *(opts[key] or [])]).duration
     wanted = {p for label in labels for p in by_label[label][1]}
     lacking = sorted(p for p in wanted if p in ("steps", "stress", "memory") and opts[p] is None)
@@ -1779,7 +1779,8 @@ def cmd_series(a: argparse.Namespace) -> int:
         say(f"series {a.name}: {line}")
     series_compare(spec, labels)
     if REFUSED:
-        say(f"series {a.name}: FAILED: {sorted(REFUSED)}: a boot refused its arguments; fix them before running it again")
+        say(f"series {a.name}: FAILED: {sorted(REFUSED)}: a boot refused its arguments; fix them before running "
+            "it again")
         return 2
     if ABORTED:
         say(f"series {a.name}: FAILED: {'; '.join(f'{k}: {v}' for k, v in ABORTED.items())}: the series stops "
@@ -1794,7 +1795,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="step", required=True)
     common_opts = argparse.ArgumentParser(add_help=False)
     common_opts.add_argument("--compact", action="store_true",
-                             help="write one file per label, $OUT/LABEL.json, for copying results off a host (as STACK_COMPACT=1)")
+                             help="write one file per label, $OUT/LABEL.json, for copying results off a host "
+                                  "(as STACK_COMPACT=1)")
     b = sub.add_parser("boot", parents=[common_opts])
     b.add_argument("label")
     b.add_argument("--config", choices=tuple(CONFIGS), default="overlay")

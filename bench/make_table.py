@@ -320,13 +320,33 @@ def breakdown_section(benches: list[dict]) -> list[str]:  # type: ignore[type-ar
             *out]
 
 
-def tune_section(paths: list[str]) -> list[str]:
+def tune_summary(folder: str) -> dict:  # type: ignore[type-arg]
+    """A `vllm-overlay tune-moe --out-dir FOLDER` folder (its config files and tune-state/) in one record."""
+    shapes, meta, stamps = {}, {}, []
+    for path in sorted(glob.glob(os.path.join(folder, "tune-state", "*.state.json"))):
+        st = json.load(open(path))
+        meta = meta or st.get("meta", {})
+        name = os.path.basename(path).replace(".state.json", ".json")
+        written = json.load(open(os.path.join(folder, name))) if os.path.exists(os.path.join(folder, name)) else {}
+        batches = st.get("batches", {})
+        stamps += [b["utc"] for b in batches.values() if b.get("utc")]
+        shapes[st.get("meta", {}).get("shape", name)] = {
+            "batches": batches, "tuned": sorted(int(k) for k in batches),
+            "file_batch_sizes": sorted(int(k) for k in written if k.isdigit())}
+    return {**{k: meta.get(k) for k in ("device", "vllm", "triton", "search")}, "shapes": shapes,
+            "first_utc": min(stamps) if stamps else None, "last_utc": max(stamps) if stamps else None}
+
+
+def tune_section(folders: list[str]) -> list[str]:
+    """bench/results/tune-moe-*/: copies of `vllm-overlay tune-moe --out-dir` folders."""
     out = []
-    for path in paths:
-        t = json.load(open(path))
+    for path in folders:
+        t = tune_summary(path)
         out += [f"### Fused-MoE configs tuned with `vllm-overlay tune-moe` ({os.path.relpath(path, ROOT)})", "",
                 f"{t.get('device')}, vLLM {t.get('vllm')}, Triton {t.get('triton')}, {t.get('search')} search, "
-                f"{t.get('first_utc')} to {t.get('last_utc')}. {t.get('method', '')}.", "",
+                f"{t.get('first_utc')} to {t.get('last_utc')}. vLLM's fused_experts under override_config, random "
+                "bf16 weights, uniform random top-k routing; 'vLLM's config' is the one vLLM picks without a tuned "
+                "file, 'tuned' the fastest candidate.", "",
                 "| shape | batch | vLLM's config us | tuned us | speedup | configs timed | s | tuned config (M, N, K, "
                 "group, warps, stages) |", "|---|---|---|---|---|---|---|---|"]
         for shape, rec in t.get("shapes", {}).items():
@@ -519,7 +539,7 @@ def verdict_lines(d: dict) -> list[str]:  # type: ignore[type-arg]
 
 
 def runner_lines(d: dict) -> list[str]:  # type: ignore[type-arg]
-    """Per run with runner evidence (bench/stack.py's summary since issue 13's series): the runner each
+    """Per run with runner evidence (bench/stack.py's summary records it): the runner each
     worker built and what the overlay's runner hooks did on it."""
     out = []
     for name, r in d["runs"].items():
@@ -657,7 +677,7 @@ def render() -> str:
         lines += bench_rows(benches)
         lines += overlay_vs_stock(benches)
         lines += breakdown_section(benches)
-    lines += tune_section(sorted(glob.glob(os.path.join(res, "tune-moe-*.json"))))
+    lines += tune_section(sorted(p for p in glob.glob(os.path.join(res, "tune-moe-*")) if os.path.isdir(p)))
     lines += turboquant_section(res, benches)
     lines += stack_section(sorted(glob.glob(os.path.join(res, "stack-*.json"))))
     notes = os.path.join(HERE, "notes.md")

@@ -32,11 +32,10 @@ use = max_memory_reserved + non-torch memory, against the memory vLLM was given
 (gpu_memory_utilization x total); an out-of-memory error is recorded with its phase. A phase after
 a failed one is not run.
 
-Not the planned path: issue 15's device runs go through `vllm serve` (`bench/stack.py series issue15`,
-`bench/memory_serve.py`, calls in `bench/memory_headroom_plan.md`), where memory-headroom's own
-runtime watch gives the worker's peaks per phase and boots persist across device calls. This script
-boots in-process, one boot per device call, and its max_num_seqs of 64 keeps the per-request GDN
-states that the plan's 1024-request phases exercise small; it has not run on a GPU.
+The same question through `vllm serve` is `bench/stack.py series memory` (`bench/memory_serve.py`),
+where memory-headroom's own runtime watch gives the worker's peaks per phase. This script boots
+in-process, and its max_num_seqs of 64 keeps the per-request GDN states that the series' 1024-request
+phases exercise small; it has not run on a GPU.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 15's runtime memory check through `vllm serve`: `bench/stack.py memory LABEL` sends traffic
+"""Memory under traffic through `vllm serve`: `bench/stack.py memory LABEL` sends traffic
 phases to a server `stack.py boot` started and records, per phase, what the worker's allocator and
 the device reached against what was reserved.
 
@@ -51,7 +51,7 @@ OOM = re.compile(r"out of memory|OutOfMemoryError|CUDA error: out of memory", re
 
 def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     m = sub.add_parser("memory", parents=parents,
-                       help="issue 15's traffic phases against a running server, with the worker's memory "
+                       help="traffic phases against a running server, with the worker's memory "
                             "peak per phase (bench/memory_serve.py)")
     m.add_argument("label")
     m.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated, of {', '.join(PHASES)}")

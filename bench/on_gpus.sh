@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run job lists side by side, one list per GPU of this host (jobs of a list run one after another),
-# stop them all at a deadline, and pack what they wrote into one archive (one small file to copy
-# back from the machine).
+# stop them all at a deadline, and pack what they wrote into one archive (one file to copy off the
+# host).
 #
 #   bench/on_gpus.sh DEADLINE_S RESULTS_DIR ARCHIVE "job; job" ["job; job" ...]
 #

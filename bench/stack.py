@@ -1,5 +1,5 @@
-"""The bug report's serving stack through `vllm serve`, driven in steps that may span several device
-calls (a server started with `boot` runs on in its own process session until `stop`).
+"""The bug report's serving stack through `vllm serve`, driven in steps (a server started with
+`boot` runs on in its own process session until `stop`, so the steps may come from several commands).
 
   python3 bench/stack.py boot LABEL --config overlay --tp 2 --ep --kv turboquant_k8v4 --mtp 3 [--wait S]
        [--gpu N] [--port P] [--mem F] [--model NAME|DIR] [--spec-method M] [--max-num-seqs N]
@@ -10,17 +10,17 @@ calls (a server started with `boot` runs on in its own process session until `st
   python3 bench/stack.py decode LABEL --streams 1,16 --tokens 256 --reps 3
   python3 bench/stack.py steps LABEL --streams 1,16 --contexts 2048,32768 --tokens 64 --reps 3 [--budget-s S]
   python3 bench/stack.py logprobs LABEL --prompts 8 --top 20 --out NAME [--lengths 16,64,...]
-  python3 bench/stack.py memory LABEL [--phases longest,band,burst,mixed] [--budget-s S]  # issue 15's
-                                                      # traffic phases, memory per phase (bench/memory_serve.py)
-  python3 bench/stack.py series issue14 --deadline S [--gpus 0,1] [--labels a,b]  # boot/steps/logprobs/stop
-                                                      # label after label; again in the next call until done
-  python3 bench/stack.py series issue13 --deadline S  # Model Runner V2: stress + logprobs, forced guard, stock
-  python3 bench/stack.py series tqspec --deadline S   # TurboQuant + MTP, the overlay's verify path off / on
-  python3 bench/stack.py series issue15 --deadline S  # memory under traffic: cap vs memory-headroom vs vLLM
+  python3 bench/stack.py memory LABEL [--phases longest,band,burst,mixed] [--budget-s S]  # traffic phases,
+                                                      # memory per phase (bench/memory_serve.py)
+  python3 bench/stack.py series tq-mtp-steps [--gpus 0,1] [--labels a,b] [--deadline S]  # label after label:
+                                                      # boot, steps, logprobs, stop; the same command resumes
+  python3 bench/stack.py series v2-bf16               # Model Runner V2: stress, logprobs, forced guard, stock
+  python3 bench/stack.py series tqspec                # TurboQuant + MTP, the overlay's verify path off / on
+  python3 bench/stack.py series memory                # memory under traffic: cap vs memory-headroom vs vLLM
   python3 bench/stack.py stop LABEL                   # ends the server, then `collect`
   python3 bench/stack.py collect LABEL                # copies log tail, reports, results into $OUT/LABEL
-  python3 bench/stack.py merge RESULT.json NAME=DIR|NAME=LABEL.json|NAME='CALLS/*/LABEL.json' ...  # (here)
-  python3 bench/stack.py compare A.json B.json [--top 20]  # (here) two logprob runs, first token and later
+  python3 bench/stack.py merge RESULT.json NAME=DIR|NAME=LABEL.json|NAME='COPIES/*/LABEL.json' ...
+  python3 bench/stack.py compare A.json B.json [--top 20]  # two logprob runs, first token and later
 
 Configurations (the overlay's environment; every one uses the same vLLM arguments):
   overlay        the overlay's defaults, profile cap 4096 through the legacy name GENESIS_PROFILE_RUN_CAP_M
@@ -29,21 +29,19 @@ Configurations (the overlay's environment; every one uses the same vLLM argument
   forced-guard   + VLLM_OVERLAY_TEST_BUFFER_ROWS=4096 with the capacity guard on, VLLM_OVERLAY_MEMORY_HEADROOM=0
   stock          VLLM_OVERLAY=0 (stock vLLM refuses TurboQuant on hybrid models: run it with --kv auto)
 
-Runs from the project root with vLLM staged in /tmp/site (../shared/gpu/README.md); this tree's src/
-goes first on PYTHONPATH. State lives in /tmp/stack/LABEL ($STACK_STATE_DIR); every step writes
+Runs from the project root with vLLM importable (or staged in /tmp/site: bench/gpu/README.md); this
+tree's src/ goes first on PYTHONPATH. State lives in /tmp/stack/LABEL ($STACK_STATE_DIR); every step writes
 `$OUT/LABEL/` (or bench/results/stack/LABEL without $OUT): summary.json (merged over the steps run on
 this machine), serve.log (its last 400 kB), reports/, stress/, decode.json, steps.json, NAME.json.
 With `--compact` (or STACK_COMPACT=1) a step writes one file per label instead, `$OUT/LABEL.json`
-(summary, result files, the overlay's reports, the log's last 150 kB): a device call returns at
-most 8 files. `merge` and `compare` read either form.
+(summary, result files, the overlay's reports, the log's last 150 kB), for copying results off a
+host. `merge` and `compare` read either form.
 
 Every server gets the caller's environment less its overlay settings: other variables, such as
 VLLM_USE_V2_MODEL_RUNNER, pass through; `--env` sets more for one server and the state records the
 server's VLLM_* variables. Several servers run side by side with their own LABEL, --port and --gpu
 (CUDA_VISIBLE_DEVICES, in nvidia-smi's order). `steps` and `logprobs` are described in
-bench/serve_measure.py; the plans of device calls: bench/tq_mtp_steps_plan.md (issue 14's
-measurements), bench/v2_plan.md (issue 13's proof on Model Runner V2),
-bench/memory_headroom_plan.md (issue 15's memory under traffic, `memory`: bench/memory_serve.py).
+bench/serve_measure.py, `memory` in bench/memory_serve.py, the series in bench/README.md.
 """
 
 from __future__ import annotations
@@ -69,7 +67,7 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-import memory_serve  # noqa: E402 - bench/memory_serve.py: issue 15's `memory` step (stdlib only)
+import memory_serve  # noqa: E402 - bench/memory_serve.py: the `memory` step (stdlib only)
 import serve_measure as sm  # noqa: E402 - bench/serve_measure.py (stdlib only)
 
 STATE = os.environ.get("STACK_STATE_DIR") or "/tmp/stack"
@@ -87,8 +85,8 @@ CONFIGS = {
                      "VLLM_OVERLAY_MEMORY_HEADROOM": "0"},
     "stock": {"VLLM_OVERLAY": "0"},
 }
-# NVLink multicast stays off on shared multi-GPU hosts (device notes); vLLM's symmetric-memory
-# all-reduce is kept off with it.
+# NVLink multicast stays off, as on the multi-GPU H200 hosts of the recorded runs; vLLM's
+# symmetric-memory all-reduce is kept off with it.
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
                  "VLLM_ALLREDUCE_USE_SYMM_MEM": "0"}
 SPEC_METRIC = re.compile(r"^(vllm:spec_decode_num_(?:drafts|draft_tokens|accepted_tokens)_total)(\{[^}]*\})? "
@@ -1041,7 +1039,7 @@ def collect(label: str) -> None:
 def load_run(item: str) -> tuple[str, dict[str, Any]]:
     """NAME=DIR (a run's folder with summary.json) or NAME=LABEL.json (a compact bundle)."""
     name, _, path = item.partition("=")
-    if glob.has_magic(path):  # the same label's bundle from several device calls: the newest
+    if glob.has_magic(path):  # the same label's bundle copied off a host several times: the newest
         found = [(json.load(open(p)).get("written_utc") or "", p) for p in glob.glob(path) if os.path.isfile(p)]
         if not found:
             sys.exit(f"stack: merge: {item!r}: no file matches {path}")
@@ -1088,8 +1086,8 @@ def runner_env(run: dict[str, Any]) -> str | None:
 def logprob_pairs(runs: dict[str, dict[str, Any]], top: int = 20) -> dict[str, Any]:
     """Pairs of runs compared on each logprob run both have under the same name: with the same
     configuration, those that differ in exactly one of (KV dtype, speculative tokens) (MTP on vs off with
-    one KV dtype is issue 14's check); an overlay configuration and stock with the same KV dtype,
-    speculative tokens and VLLM_USE_V2_MODEL_RUNNER (issue 13's check: outputs match stock on one runner)."""
+    one KV dtype); an overlay configuration and stock with the same KV dtype, speculative tokens and
+    VLLM_USE_V2_MODEL_RUNNER (outputs match stock on one runner)."""
     out = {}
     names = list(runs)
     for i, x in enumerate(names):
@@ -1120,7 +1118,7 @@ def logprob_pairs(runs: dict[str, dict[str, Any]], top: int = 20) -> dict[str, A
 
 def cmd_merge(a: argparse.Namespace) -> int:
     """One result file for bench/results from the `summary.json` files (or compact bundles) of several
-    runs (a run's DIR is what a device call brought back for its LABEL; the newest summary of a run wins)."""
+    runs (a run's DIR is what was copied off the host for its LABEL; the newest summary of a run wins)."""
     res: dict = {"script": "bench/stack.py", "note": a.note, "runs": {}}
     for item in a.runs:
         name, s = load_run(item)
@@ -1145,13 +1143,13 @@ def cmd_merge(a: argparse.Namespace) -> int:
     return 0
 
 
-# ---- series: a list of configurations measured one after another, across device calls ---------------
+# ---- series: a list of configurations measured one after another, resumable ---------------------------
 
-# Issue 14's measurements: verify-step times and logprobs, TurboQuant k8v4 and bf16 KV, MTP on and off.
+# tq-mtp-steps: verify-step times and logprobs, TurboQuant k8v4 and bf16 KV, MTP on and off.
 # --max-capture 128 captures the CUDA graphs of up to 128 tokens only (vLLM's default mode, fewer sizes:
 # a shorter boot); every measured step (16 streams x 4 tokens at most) is one of them.
 #
-# Issue 13's proof on Model Runner V2 (bench/v2_plan.md): the same geometry without MTP, bf16 KV, with
+# v2-bf16: the overlay on Model Runner V2, the same geometry without MTP, bf16 KV, with
 # VLLM_USE_V2_MODEL_RUNNER=1 set for every server; the overlay's band stress and logprobs, the forced
 # 4096-row buffer (expected to stop with the overlay's CapacityError, at boot or under band traffic:
 # that is its result, not a failure to retry) and stock vLLM's logprobs on the same runner.
@@ -1248,7 +1246,7 @@ def tqspec_judge(c: dict[str, Any] | None) -> tuple[str, str]:
 
 def tqspec_verdict(runs: dict[str, dict[str, Any]], pairs: dict[str, Any]) -> list[str]:
     """Lines: each MTP run against the TurboQuant run without MTP (same runner's reference preferred, else
-    V1's), what each run failed to test, and the conclusion for the README's claim and the patch."""
+    V1's), what each run failed to test, and a conclusion per runner on vLLM's verify path and the patch's."""
     roles: dict[str, str] = {}
     for name, r in runs.items():
         role = tqspec_role(r)
@@ -1303,26 +1301,24 @@ def tqspec_verdict(runs: dict[str, dict[str, Any]], pairs: dict[str, Any]) -> li
             continue
         head = f"conclusion{' (V2)' if runner else ''}: "
         if on == "differs":
-            out.append(head + "the PATCH GIVES OTHER LOGITS than TurboQuant without MTP on this release: keep "
-                       f"{TQSPEC_PATCH} off here (VLLM_OVERLAY_DISABLE={TQSPEC_PATCH}) until that is understood")
+            out.append(head + f"the PATCH GIVES OTHER LOGITS than TurboQuant without MTP on this release "
+                       f"({TQSPEC_PATCH} on)")
         elif off == "differs" and on == "equal":
             out.append(head + "CONFIRMED: stock vLLM's verify steps on TurboQuant give other logits than no MTP, "
                        "with no error; the patch's match: the need read from the sources holds on this release")
         elif off == "died at boot" and on == "equal":
             out.append(head + "CONFIRMED DIFFERENTLY: stock vLLM with MTP on TurboQuant dies at boot on this release "
-                       "(as on 0.20.x), not silently wrong; the patch serves and matches: revise the README's wording "
-                       "for this release")
+                       "(as on 0.20.x), not silently wrong; the patch serves and matches no MTP")
         elif off == "equal" and on == "equal":
             out.append(head + "REFUTED: stock vLLM's verify steps match no MTP on this release: the source reading "
-                       "(replays attend to the new tokens only) is wrong here; revise the README section 'TurboQuant "
-                       f"with speculative decoding' and {TQSPEC_PATCH}'s docstring and Support rows from 0.22.0")
+                       "(replays attend to the new tokens only) does not hold here; the patch matches too")
         else:
             out.append(head + f"none yet (stock path: {off or 'not run'}; the patch: {on or 'not run'})")
     return out
 
 
 SERIES: dict[str, dict[str, Any]] = {
-    "issue14": {
+    "tq-mtp-steps": {
         "boot": "--config overlay --max-capture 128",
         "steps": "--streams 1,16 --contexts 2048,32768 --tokens 64 --reps 3",
         "logprobs": "--prompts 8 --top 20 --out lp",
@@ -1331,7 +1327,7 @@ SERIES: dict[str, dict[str, Any]] = {
         "items": [("tq-mtp", "--kv turboquant_k8v4 --mtp 3"), ("bf16-mtp", "--kv auto --mtp 3"),
                   ("tq-nomtp", "--kv turboquant_k8v4 --mtp 0"), ("bf16-nomtp", "--kv auto --mtp 0")],
     },
-    "issue13": {
+    "v2-bf16": {
         "boot": "--kv auto --mtp 0 --max-capture 128 --env VLLM_USE_V2_MODEL_RUNNER=1",
         # --min-band 500 plans 751 waves (one band forward each when all three prefills of a wave share a step);
         # --duration is the ceiling: 500 band forwards need 2.1 a second (2.9 were measured with MTP on 0.20.2)
@@ -1368,16 +1364,16 @@ SERIES: dict[str, dict[str, Any]] = {
                   ("tq-stock", "--config stock --mtp 0 --env VLLM_USE_V2_MODEL_RUNNER=0", ("logprobs",))],
     },
 }
-# Issue 15's memory proof (bench/memory_headroom_plan.md): no MTP, utilization 0.97, graphs up to 128
+# memory: memory under traffic, no MTP, utilization 0.97, graphs up to 128
 # tokens. The 16k pair is the bug report's sizing (TurboQuant k8v4 KV, config overlay's cap 4096) with
 # the cap alone (memory-headroom off) and with memory-headroom; the 8k pair is vLLM's own sizing (bf16
 # KV, no cap) with memory-headroom, then measuring only (VLLM_OVERLAY_MEMORY_HEADROOM_DRY_RUN=1: its
 # line and its runtime watch, nothing moved; last, the one to drop when time runs short). The two
 # boots of a pair compile the same graphs.
 # Each label runs the `memory` step (phase "memory": the series' "memory" arguments, started with at
-# least "least_budget_s" left, resumed in the next call like steps); no logprobs; a failed boot is a
+# least "least_budget_s" left, resumed by the next run like steps); no logprobs; a failed boot is a
 # result, booted again only when memory-headroom's measuring forward stopped it (then with the patch off).
-SERIES["issue15"] = {
+SERIES["memory"] = {
     "boot": "--config overlay --mtp 0 --mem 0.97 --max-capture 128",
     "memory": "--phases longest,band,burst,mixed --band-seconds 20 --mixed-tokens 128",
     "least_budget_s": 100,  # the longest phase's prompt and its two windows fit
@@ -1392,7 +1388,7 @@ SERIES["issue15"] = {
 PHASES = ("steps", "stress", "logprobs", "guard", "memory")
 REFUSED: dict[str, str] = {}  # labels whose boot never started, this process
 ABORTED: dict[str, str] = {}  # labels that built another model runner than the series expects
-SERIES_RESERVE_S = 45  # kept back from a label's steps for its logprobs and stop within the call
+SERIES_RESERVE_S = 45  # kept back from a label's steps for its logprobs and stop before the deadline
 SERIES_ROUND_S = 40  # least budget to start steps with: one round of 16 x 32K (prefill + decode) fits
 SERIES_WARMUP_S = 150  # ... before the boot's warm-up, which compiles the first verify steps' kernels
 SERIES_STEPS_ATTEMPTS = 2
@@ -1446,7 +1442,7 @@ def stagger_gate(prev: str, stagger: float, t_end: float) -> bool:
     """Wait until the server of ``prev`` (the label before this one on the same GPU) started ``stagger``
     seconds ago and, unless its KV cache has a fixed size, has sized its KV cache or stopped: vLLM's
     memory profiling reads the GPU's free memory, so another server's allocations during it move its KV
-    budget. False when the deadline comes first (the next call waits on)."""
+    budget. False when the deadline comes first (the next run waits on)."""
     said = False
     while time.time() < t_end - 5:
         st = series_state(prev)
@@ -1468,8 +1464,8 @@ def stagger_gate(prev: str, stagger: float, t_end: float) -> bool:
 
 def run_series_queue(name: str, items: list[tuple[str, list[str], tuple[str, ...]]], gpu: str | None,
                      t_end: float, opts: dict[str, Any], after: str | None = None) -> None:
-    """Each label in turn on one GPU: boot, wait, what its item asks for (steps resumed in the next call
-    when time runs out), stop; the next label's boot starts at once, so it goes on between calls.
+    """Each label in turn on one GPU: boot, wait, what its item asks for (steps resumed by the next run
+    when the deadline comes), stop; the next label's boot starts at once, so it goes on between runs.
     opts: steps/stress/guard_stress/logprobs/memory (argument lists, or None), memory_least_s, fallbacks,
     expect_runner, stagger. ``after``: the first label of the queue before this one on the same GPU,
     which this queue's first boot waits for (stagger_gate)."""
@@ -1495,7 +1491,7 @@ def run_series_queue(name: str, items: list[tuple[str, list[str], tuple[str, ...
                 continue
             rc = wait(label, left - 5)
             if rc == 2:
-                return  # still booting: the next call waits on
+                return  # still booting: the next run waits on
             booted = load_state(label).get("healthy_after_s") is not None
             if "runner" not in mark:  # the first time it serves or has died: which model runner it built
                 ev = runner_evidence(sdir(label), serve_log(label))
@@ -1553,7 +1549,7 @@ def run_series_queue(name: str, items: list[tuple[str, list[str], tuple[str, ...
                 # a warm-up round is not cut by the budget and may compile kernels for minutes
                 if budget < (SERIES_ROUND_S if st.get("warm_streams") else SERIES_WARMUP_S):
                     return
-                rc = dispatch(["steps", label, *opts["steps"], "--budget-s", f"{budget:.0f}"])
+                rc = dispatch(["steps", label, *opts["steps"], *budget_args(budget)])
                 # steps cut short by the budget (3) is no attempt; done (0) or with failed points (4) is
                 series_mark(label, steps_rc=rc, steps_attempts=mark.get("steps_attempts", 0) + (rc != 3))
                 if rc not in (0, 3, 4):
@@ -1568,8 +1564,8 @@ def run_series_queue(name: str, items: list[tuple[str, list[str], tuple[str, ...
                 budget = t_end - time.time() - SERIES_RESERVE_S
                 if budget < opts["memory_least_s"]:
                     return
-                rc = dispatch(["memory", label, *opts["memory"], "--budget-s", f"{budget:.0f}"])
-                # cut short by the budget (3): the phases measured are kept and the next call goes on
+                rc = dispatch(["memory", label, *opts["memory"], *budget_args(budget)])
+                # cut short by the budget (3): the phases measured are kept and the next run goes on
                 series_mark(label, memory_rc=rc)
                 if rc not in (0, 3):
                     series_mark(label, failed=f"memory ended with {rc} (the server died?)")
@@ -1584,7 +1580,7 @@ def run_series_queue(name: str, items: list[tuple[str, list[str], tuple[str, ...
                               and opts["logprobs"] is not None and "logprobs_rc" not in mark)
             if "stress" in phases and "stress_rc" not in mark and not logprobs_first:
                 if t_end - time.time() < opts["stress_s"] + SERIES_STRESS_EXTRA_S:
-                    return  # a stress is not resumable: it starts in a call with room for all of it
+                    return  # a stress is not resumable: it starts only with room for all of it
                 rc = dispatch(["stress", label, *opts["stress"]])
                 series_mark(label, stress_rc=rc, stress=stress_verdict(label))
                 if not alive(load_state(label)["pid"]):
@@ -1602,6 +1598,11 @@ def run_series_queue(name: str, items: list[tuple[str, list[str], tuple[str, ...
             series_mark(label, done=True)
 
 
+def budget_args(budget: float) -> list[str]:
+    """A step's --budget-s for what is left before the series' deadline (none without a deadline)."""
+    return ["--budget-s", f"{budget:.0f}"] if budget != float("inf") else []
+
+
 HEADROOM_FAILED = "vllm-overlay memory-headroom: "
 
 
@@ -1617,7 +1618,7 @@ def boot_fallback(boot_args: list[str], log_text: str,
     "headroom": a boot stopped by the overlay's memory-headroom patch (its measuring forward failed, or
     it left no KV block) boots again with VLLM_OVERLAY_MEMORY_HEADROOM=0, so that the other measurements
     still happen (that failure is a finding, kept in the failed boot's log). "max-capture": any other
-    failed boot with --max-capture (the one setting issue 14's runs add to the earlier TurboQuant + MTP
+    failed boot with --max-capture (the one setting tq-mtp-steps adds to the earlier TurboQuant + MTP
     boots) boots again with vLLM's own capture sizes. A series allows either or both."""
     if "headroom" in allowed and HEADROOM_FAILED in log_text and "HeadroomError" in log_text:
         return [*boot_args, "--overlay-env", "VLLM_OVERLAY_MEMORY_HEADROOM=0"], "with memory-headroom"
@@ -1699,7 +1700,7 @@ def series_compare(spec: dict[str, Any], labels: list[str]) -> None:
 
 def cmd_series(a: argparse.Namespace) -> int:
     spec = SERIES[a.name]
-    t_end = time.time() + a.deadline
+    t_end = time.time() + a.deadline if a.deadline is not None else float("inf")
     items = series_items(spec)
     known = [label for label, _, _ in items]
     labels = [x.strip() for x in a.labels.split(",") if x.strip()] if a.labels else known
@@ -1749,7 +1750,7 @@ def cmd_series(a: argparse.Namespace) -> int:
         "logprobs": None if a.no_logprobs else args_of("logprobs", a.logprobs),
         "fallbacks": tuple(spec.get("fallbacks", ("headroom", "max-capture"))), "expect_runner": expect,
         "stagger": a.stagger}
-    for key in ("stress", "guard_stress"):  # how long a stress may take decides whether it starts in this call
+    for key in ("stress", "guard_stress"):  # how long a stress may take: whether it starts before the deadline
         opts[f"{key}_s"] = build_parser().parse_args(["stress", "x", *(opts[key] or [])]).duration
     wanted = {p for label in labels for p in by_label[label][1]}
     lacking = sorted(p for p in wanted if p in ("steps", "stress", "memory") and opts[p] is None)
@@ -1757,7 +1758,8 @@ def cmd_series(a: argparse.Namespace) -> int:
         lacking.append("guard_stress")
     if lacking:
         sys.exit(f"stack: series {a.name}: its labels run {lacking} but the series gives no arguments for them")
-    say(f"series {a.name}: {len(labels)} labels on GPU(s) {a.gpus or 'as visible'} until {a.deadline:.0f} s from now"
+    say(f"series {a.name}: {len(labels)} labels on GPU(s) {a.gpus or 'as visible'}"
+        + (f" until {a.deadline:.0f} s from now" if a.deadline is not None else "")
         + (f", {expect} model runner expected" if expect else "") + ": "
         + "; ".join(f"GPU {g}: {', '.join(x for x, _, _ in q)}" for g, q in zip(gpus, queues))
         + (f"; servers side by side on one GPU start {a.stagger:.0f} s apart, each once the one before has sized "
@@ -1777,13 +1779,14 @@ def cmd_series(a: argparse.Namespace) -> int:
         say(f"series {a.name}: {line}")
     series_compare(spec, labels)
     if REFUSED:
-        say(f"series {a.name}: FAILED: {sorted(REFUSED)}: a boot refused its arguments; fix them, do not call again")
+        say(f"series {a.name}: FAILED: {sorted(REFUSED)}: a boot refused its arguments; fix them before running "
+            "it again")
         return 2
     if ABORTED:
         say(f"series {a.name}: FAILED: {'; '.join(f'{k}: {v}' for k, v in ABORTED.items())}: the series stops "
-            "here; do not call again")
+            "here (every later label would build the same runner)")
         return 2
-    say(f"series {a.name}: " + ("NOT DONE: run the same command again in the next call" if more else "all done"))
+    say(f"series {a.name}: " + ("NOT DONE: run the same command again to go on" if more else "all done"))
     return 10 if more else 0
 
 
@@ -1792,7 +1795,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="step", required=True)
     common_opts = argparse.ArgumentParser(add_help=False)
     common_opts.add_argument("--compact", action="store_true",
-                             help="write one file per label, $OUT/LABEL.json (as STACK_COMPACT=1)")
+                             help="write one file per label, $OUT/LABEL.json, for copying results off a host "
+                                  "(as STACK_COMPACT=1)")
     b = sub.add_parser("boot", parents=[common_opts])
     b.add_argument("label")
     b.add_argument("--config", choices=tuple(CONFIGS), default="overlay")
@@ -1869,7 +1873,9 @@ def build_parser() -> argparse.ArgumentParser:
     se = sub.add_parser("series", parents=[common_opts],
                         help="a named series of configurations: boot, steps, logprobs, stop, one after another")
     se.add_argument("name", choices=tuple(SERIES))
-    se.add_argument("--deadline", type=float, required=True, help="seconds from now to return by")
+    se.add_argument("--deadline", type=float, default=None,
+                    help="return after about this many seconds with exit 10 (NOT DONE); the same command goes "
+                         "on (default: run until done)")
     se.add_argument("--labels", default="", help="which labels, in this order (default: the series' own)")
     se.add_argument("--gpus", default="", help="GPUs side by side: labels go round-robin, one queue per entry; "
                     "an entry repeated (0,0,0) runs that many servers side by side on that GPU")

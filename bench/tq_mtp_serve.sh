@@ -2,10 +2,9 @@
 # TurboQuant k8v4 + MTP (3 speculative tokens) on the Qwen3.6-35B-A3B geometry through `vllm serve`
 # with vllm-overlay, default CUDA graphs (vLLM 0.20.2 on one H200), then the band stress.
 #
-#   OUT=/some/dir bench/tq_mtp_serve.sh [TOTAL_SECONDS (default 480: fits a 9-minute call that first
-#   stages vLLM, about 60-70 s)]
+#   OUT=/some/dir bench/tq_mtp_serve.sh [TOTAL_SECONDS (default 480)]
 #
-# Run from the project root with vLLM 0.20.2 staged in /tmp/site (../shared/gpu/README.md); this
+# Run from the project root with vLLM 0.20.2 importable or staged in /tmp/site (bench/gpu/README.md); this
 # working tree's src/ goes first on PYTHONPATH. Writes under $OUT, whatever happens:
 #   serve.log            the server's log (stdout + stderr)
 #   metrics-before.txt   /metrics spec-decode and request lines after boot, metrics-after.txt after the stress

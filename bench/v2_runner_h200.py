@@ -31,7 +31,7 @@ the tiny hybrid (Qwen3-Next: GDN layers) is refused: the result records vLLM's e
 runs the same configuration on V2 with that model. There the telemetry and the cap are proven on
 V2; the guard's hooks fire but no GDN buffer exists to protect (v2-forced-guard then serves instead
 of tripping, and says so). The guard on V2 needs a release that builds V2 for hybrids: 0.25.0 or
-0.26.0 pin torch 2.11; bench/gpu/README.md stages 0.26.0 and gives the calls for this script.
+0.26.0 pin torch 2.11; bench/gpu/README.md stages 0.26.0 on a host without a package index.
 
 The JSON (--out/v2-runner-<model>[-TAG].json) holds, per configuration: ok / error / refused,
 the runner each worker built (kind and class), each runner patch's status and its runner hooks

@@ -3,6 +3,7 @@ the committed page must be exactly what bench/make_table.py renders now."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -48,3 +49,17 @@ def test_overlay_is_compared_with_the_stock_run_of_the_same_settings() -> None:
     assert "at most 81 ms (register() and the patches applied on later imports)" in text
     old = [{**p, "hook_apply_s": None} for p in procs]
     assert mt.apply_ms(old) == (45.0, False)
+
+
+def test_a_tune_moe_folder_is_rendered(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A copy of `vllm-overlay tune-moe --out-dir` (config file, tune-state/) in bench/results becomes a table."""
+    cfg = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1, "num_warps": 4, "num_stages": 3}
+    os.makedirs(tmp_path / "tune-state")
+    (tmp_path / "E=256,N=512,device_name=NVIDIA_H200.json").write_text(json.dumps({"1": cfg, "16": cfg}))
+    (tmp_path / "tune-state" / "E=256,N=512,device_name=NVIDIA_H200.state.json").write_text(json.dumps(
+        {"meta": {"device": "NVIDIA_H200", "shape": "E=256,N=512,dtype=bf16", "vllm": "0.20.2", "search": "quick"},
+         "batches": {"1": {"config": cfg, "us": 20.0, "default_us": 25.0, "tried": 41, "seconds": 30.1,
+                           "utc": "2026-12-01T10:00:00Z"}}}))
+    text = "\n".join(_make_table().tune_section([str(tmp_path)]))
+    assert "| E=256,N=512,dtype=bf16 | 1 | 25.0 | 20.0 | 1.250 x | 41 | 30.1 | 16, 64, 128, 1, 4, 3 |" in text
+    assert "| E=256,N=512,dtype=bf16 | 16 | not tuned: the file holds vLLM's own config" in text

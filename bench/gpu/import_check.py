@@ -3,7 +3,7 @@ Python 3.12 environment laid out like the H200 image (its packages at the versio
 h200-image-packages.txt) plus vLLM and the staged wheels, all installed with --no-deps.
 
   LD_LIBRARY_PATH=STUB_DIR python bench/gpu/import_check.py \
-      --image /work/shared/gpu/h200-image-packages.txt --wheels bench/gpu/device-wheels-0.26.0.txt
+      --image HOST-PACKAGES.txt --wheels bench/gpu/device-wheels-0.26.0.txt
 
 What cannot run on CPU is stood in for, and only that:
 - the CUDA driver: STUB_DIR holds a libcuda.so.1 whose entry points all return

@@ -6,7 +6,7 @@ VLLM_USE_V2_MODEL_RUNNER=1), then vLLM's engine config built from them after vLL
 overlay) loaded, as in the API server. One process per label.
 
   LD_LIBRARY_PATH=STUB_DIR PYTHONPATH=SCRATCH/site python bench/gpu/serve_config_check.py \
-      [--series issue13|tqspec] [--labels v2-overlay,...]
+      [--series v2-bf16|tqspec] [--labels v2-overlay,...]
 
 (the environment of bench/gpu/README.md's CPU rehearsal: a Python 3.12 like the H200 image's, vLLM
 0.26.0 and its wheels unpacked by device_install.sh with DEVICE_TMP set). What cannot run on CPU is
@@ -86,7 +86,7 @@ def child(model: str, args: list[str]) -> dict[str, Any]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--series", default="issue13", choices=tuple(stack.SERIES))
+    ap.add_argument("--series", default="v2-bf16", choices=tuple(stack.SERIES))
     ap.add_argument("--labels", default="", help="labels of the series (default: all)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()

@@ -1,0 +1,53 @@
+"""The offline bundle of bench/gpu/ (prepare.sh packs, device_install.sh unpacks on the GPU host) on a
+tiny fake payload, no downloads: parts, the copy in two goes, checksums, reassembly."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+GPU = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "gpu")
+
+
+def bundle(*args: str) -> subprocess.CompletedProcess:  # type: ignore[type-arg]
+    return subprocess.run([sys.executable, os.path.join(GPU, "bundle.py"), *args], capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("compression", ["none", pytest.param("zstd", marks=pytest.mark.skipif(
+    shutil.which("zstd") is None, reason="no zstd command"))])
+def test_parts_travel_in_pieces_and_unpack_whole(tmp_path, compression: str) -> None:  # type: ignore[no-untyped-def]
+    payload, out, keep = tmp_path / "payload", tmp_path / "checkout" / ".gpu" / "9.9.9", tmp_path / "keep"
+    os.makedirs(payload / "site" / "vllm")
+    os.makedirs(payload / "wheels")
+    (payload / "site" / "vllm" / "__init__.py").write_text("__version__ = '9.9.9'\n")
+    blob = os.urandom(300_000)  # incompressible: several parts of 64 KiB either way
+    (payload / "wheels" / "fake-1.0-py3-none-any.whl").write_bytes(blob)
+    (tmp_path / "zstandard.whl").write_bytes(b"wheel")
+    assert bundle("pack", str(payload), str(out), "--part-size", "64K", "--compression", compression,
+                  "--add", str(tmp_path / "zstandard.whl")).returncode == 0
+    parts = sorted(f for f in os.listdir(out) if f.startswith("part"))
+    assert len(parts) >= 5 and all(os.path.getsize(out / f) <= 65536 for f in parts)
+    assert [ln.split("  ")[1] for ln in (out / "MANIFEST").read_text().splitlines()] == [*parts, "zstandard.whl"]
+    shutil.copytree(out, keep)
+    os.remove(out / parts[-1])  # the first copy brings all but the last part
+    host = {**os.environ, "DEVICE_TMP": str(tmp_path / "host")}
+    install = ["bash", os.path.join(GPU, "device_install.sh"), "9.9.9"]
+    run = subprocess.run(install, cwd=out.parent.parent, env=host, capture_output=True, text=True)
+    assert run.returncode == 0 and f"vLLM 9.9.9: still missing: {parts[-1]}" in run.stdout, run.stdout + run.stderr
+    stage = tmp_path / "host" / "stage-9.9.9"
+    assert sorted(os.listdir(stage)) == sorted([*parts[:-1], "zstandard.whl", "MANIFEST"]) and not os.listdir(out)
+    shutil.copy(keep / parts[-1], out / parts[-1])  # the second copy, with a part damaged on the way
+    with open(stage / parts[1], "r+b") as f:
+        f.write(b"\0damaged")
+    run = subprocess.run(install, cwd=out.parent.parent, env=host, capture_output=True, text=True)
+    assert run.returncode == 1 and f"checksum differs from MANIFEST: {parts[1]}" in run.stderr, run.stdout + run.stderr
+    assert not os.path.exists(tmp_path / "host" / "site")
+    shutil.copy(keep / parts[1], stage / parts[1])  # copied again: the parts reassemble into the payload
+    assert bundle("check", str(stage)).returncode == 0
+    assert bundle("unpack", str(stage), str(tmp_path / "got")).returncode == 0
+    assert (tmp_path / "got" / "wheels" / "fake-1.0-py3-none-any.whl").read_bytes() == blob
+    assert (tmp_path / "got" / "site" / "vllm" / "__init__.py").read_text() == "__version__ = '9.9.9'\n"

@@ -112,3 +112,15 @@ def test_a_page_holds_the_specs_facts() -> None:
                  "`vllm.v1.worker.cpu_worker:CPUWorker.determine_available_memory`", "cpu only",
                  "| CPU V1 | - | 0.32.0 |", "`tests/test_memory_headroom.py::test_eager_engine_allocates_the_corrected_kv_cache`"):
         assert fact in page, fact
+
+
+def test_an_empty_hand_written_section_fails(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    root = _copy(tmp_path)
+    path = _page(root, "hybrid-turboquant")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    head, _rest = text.split("\n## What was measured\n", 1)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(head + "\n## What was measured\n\n")
+    assert docs.check(root) == ["docs/patches/hybrid-turboquant.md: the hand-written section "
+                                "'## What was measured' is empty"]

@@ -259,6 +259,8 @@ def _hand_problems(name: str, text: str) -> list[str]:
             out.append(f"{name}: the hand-written section {head!r} is missing")
         elif head + " (again)" in bodies:
             out.append(f"{name}: the hand-written section {head!r} appears twice")
+        elif not "".join(bodies[head]).strip():
+            out.append(f"{name}: the hand-written section {head!r} is empty")
     return out
 
 

@@ -26,7 +26,9 @@ from vllm_overlay.spec import PatchSpec
 
 # file (relative to the project root) -> the generated sections it holds
 PAGES: dict[str, tuple[str, ...]] = {
-    "README.md": ("patches", "support-matrix", "support-levels", "support-evidence", "settings", "budget-priority"),
+    "README.md": ("patches", "support-levels"),
+    "docs/support.md": ("support-matrix", "support-evidence"),
+    "docs/settings.md": ("settings", "budget-priority"),
 }
 PATCH_DIR = "docs/patches"
 HAND_SECTIONS = ("## Why", "## How", "## What was measured")

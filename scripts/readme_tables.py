@@ -1,5 +1,8 @@
-"""Write (or with --check, compare) the README's generated tables: patches, support matrix,
-settings, token-budget priority (vllm_overlay.docs renders them from the specs and settings)."""
+"""Write (or with --check, compare) the generated sections of the README and the docs pages:
+the patches and support-levels tables (README.md), the support matrix and its evidence
+(docs/support.md), the settings table and the token-budget priority (docs/settings.md), and the
+generated block of every patch's page (docs/patches/ID.md; a missing page is created with empty
+hand-written sections). vllm_overlay.docs renders them from the specs, the levels and the settings."""
 
 from __future__ import annotations
 
@@ -13,20 +16,17 @@ from vllm_overlay import docs  # noqa: E402
 
 
 def main() -> int:
-    path = os.path.join(ROOT, "README.md")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    new = docs.update(text)
     if "--check" in sys.argv[1:]:
-        if new != text:
-            print("README.md: generated tables are stale; run: python scripts/readme_tables.py", file=sys.stderr)
-            return 1
-        return 0
-    if new != text:
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(new)
-        print("README.md: generated tables rewritten")
-    return 0
+        problems = docs.check(ROOT)
+        for line in problems:
+            print(line, file=sys.stderr)
+        return 1 if problems else 0
+    for rel in docs.write(ROOT):
+        print(f"{rel}: generated sections rewritten")
+    _want, problems = docs.expected(ROOT)
+    for line in problems:
+        print(line, file=sys.stderr)
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":

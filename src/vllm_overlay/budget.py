@@ -54,7 +54,7 @@ class Budget:
 
 
 def priority_text() -> str:
-    """The priority in words, for the README and `doctor` (generated, never written twice)."""
+    """The priority in words, for docs/settings.md and `doctor` (generated, never written twice)."""
     return " > ".join(["explicit hint", *(f"`{n}`" for n in BUDGET_SETTINGS),
                        "the live `scheduler_config.max_num_batched_tokens`",
                        f"{FALLBACK_TOKENS} (only when no vLLM config exists)"])

@@ -255,7 +255,7 @@ def plain_lines() -> list[str]:
 
 
 def markdown() -> str:
-    """The README's support table: releases x patches, then each patch's rows with reasons."""
+    """The support table of docs/support.md: releases x patches, then each patch's rows with reasons."""
     all_specs = specs()
     head = "| vLLM | " + " | ".join(f"`{s.id}`" for s in all_specs) + " |"
     rule = "|---|" + "---|" * len(all_specs)

@@ -9,7 +9,7 @@ from vllm_overlay import matrix
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("matrix", help="the support matrix: every release x every patch, with reasons")
-    p.add_argument("--markdown", action="store_true", help="print the README's table instead of plain lines")
+    p.add_argument("--markdown", action="store_true", help="print the Markdown table of docs/support.md instead of plain lines")
     p.set_defaults(func=run)
 
 

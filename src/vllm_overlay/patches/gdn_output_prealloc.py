@@ -205,6 +205,9 @@ SPEC = PatchSpec(
     changes_traced_code=True,
     rewrites=REWRITES,
     either_modules=(RUNNER_MODULES,),
+    # _dummy_run, Worker.execute_model: the buffer check runs before telemetry records the forward,
+    # so a forward it refuses is never counted as run
+    wraps_outside=("forward-telemetry",),
 )
 
 

@@ -127,6 +127,9 @@ class PatchSpec:
     enabled_by: str | None = None  # a setting whose non-zero value turns the patch on
     disabled_by: str | None = None  # a setting whose value 0 turns a default-on patch off
     changes_traced_code: bool = False  # must change vLLM's compile-cache key
+    # the settings of ``settings`` that change what its traced code does (buffer shapes, guards):
+    # compile-cache-key folds them into vLLM's compile-cache key; only with changes_traced_code
+    traced_settings: tuple[str, ...] = ()
     rewrites: tuple[Rewrite, ...] = field(default=())
     # groups of modules of which one hooked completes the patch: vLLM imports the model runner
     # module it builds (V1 or Model Runner V2), and on some releases never the other one. The
@@ -155,6 +158,13 @@ class PatchSpec:
             raise ValueError(f"PatchSpec {self.id!r}: disabled_by turns off a default-on patch; default=False")
         if isinstance(self.shown_by, str) or not all(isinstance(c, str) and c for c in self.shown_by):
             raise ValueError(f"PatchSpec {self.id!r}: shown_by={self.shown_by!r}: expected a tuple of counter names")
+        if isinstance(self.traced_settings, str) or any(n not in self.settings for n in self.traced_settings):
+            raise ValueError(f"PatchSpec {self.id!r}: traced_settings={self.traced_settings!r}: expected a tuple "
+                             f"of names from its settings ({', '.join(self.settings) or 'none'})")
+        if self.traced_settings and not self.changes_traced_code:
+            raise ValueError(f"PatchSpec {self.id!r}: traced_settings={self.traced_settings!r} with "
+                             "changes_traced_code=False; expected changes_traced_code=True (only traced code's "
+                             "settings enter the compile-cache key)")
         if isinstance(self.wraps_outside, str) or not all(isinstance(p, str) and p for p in self.wraps_outside):
             raise ValueError(f"PatchSpec {self.id!r}: wraps_outside={self.wraps_outside!r}: expected a tuple of "
                              "patch ids")

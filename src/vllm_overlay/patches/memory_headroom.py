@@ -29,7 +29,7 @@ import time
 import weakref
 from typing import Any
 
-from vllm_overlay import headroom, settings
+from vllm_overlay import headroom, report, settings
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.patches._runner import RUNNER, RUNNER_MODULE
 from vllm_overlay.report import LOG, STATE
@@ -288,9 +288,7 @@ _warned: set[str] = set()
 def _not_corrected(reason: str) -> None:
     STATE.count("headroom_not_corrected")
     text = f"memory-headroom: KV cache NOT corrected: {reason}"
-    with STATE.lock:
-        STATE.patches.setdefault(PATCH_ID, {})["not_corrected"] = reason
-        STATE.dirty = True
+    report.patch_note(PATCH_ID, not_corrected=reason)
     STATE.event(text)
     if reason not in _warned:
         _warned.add(reason)
@@ -354,9 +352,7 @@ def correct(worker: Any, available: int) -> int:
               "kv_temp_blocks": m["kv_temp_blocks"], "non_torch_growth": m["non_torch_growth"],
               "profile": prof, "profile_run_cap": int(settings.value("VLLM_OVERLAY_PROFILE_RUN_CAP")),
               "dry_run": dry}
-    with STATE.lock:
-        STATE.patches.setdefault(PATCH_ID, {}).setdefault("headroom", []).append(record)
-        STATE.dirty = True
+    report.patch_append(PATCH_ID, "headroom", record)
     with _lock:  # what the runtime watch compares with once the KV cache exists
         _corrections[runner] = {"baseline": baseline, "reserved": reserved, "moved": 0 if dry else p.moved,
                                 "cpu": cpu}
@@ -635,8 +631,7 @@ class Watch:
             self.record.update(self.numbers(self.peak))
             for w in self.record["windows"]:
                 w.update(self.numbers(w["peak"]), above_idle=w["peak"] - w["idle"])
-            STATE.patches.setdefault(PATCH_ID, {})["runtime"] = self.record
-            STATE.dirty = True
+            report.patch_note(PATCH_ID, runtime=self.record)  # the watch changes it in place, under STATE.lock
         over = self.record["over_budget"]
         if self.warn and over > 0 and not self.warned:
             self.warned = True

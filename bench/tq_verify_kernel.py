@@ -148,7 +148,7 @@ class Batch:
 
     # ---- references ----------------------------------------------------------------------------
     def reference(self, dequantized: bool) -> torch.Tensor:
-        from vllm_overlay.kernels import tq_reference as ref
+        import tq_reference as ref  # bench/tq_reference.py, next to this script
 
         outs = []
         prec = torch.get_float32_matmul_precision()

@@ -1,5 +1,6 @@
 """Every source rewrite against the installed vLLM 0.32.0 and, textually, against the sources of
-the vLLM 0.20.2 wheel (downloaded once into ~/.cache/vllm-overlay/wheels; never committed)."""
+the vLLM 0.20.2 wheel (downloaded once into ~/.cache/vllm-overlay/wheels; never committed), by
+the support matrix's sweep (matrix.sweep, what `vllm-overlay verify` runs)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,22 @@ import dataclasses
 
 import pytest
 
-from vllm_overlay import anchors, wheels
+from vllm_overlay import matrix, sources, wheels
 from vllm_overlay.errors import AnchorError
 from vllm_overlay.mechanisms import rewrite
+from vllm_overlay.spec import Rewrite
+
+
+def rewrite_checks(version: str, read: sources.Reader) -> list[matrix.Check]:
+    return [c for c in matrix.sweep(version, read) if c.what == "rewrite"]
+
+
+def rewrites(version: str) -> list[tuple[str, Rewrite]]:
+    return [(spec.id, rw) for spec in matrix.specs() for rw in spec.rewrites_for(version)]
 
 
 def test_installed_0_32_0_anchors_and_hashes() -> None:
-    checks = anchors.check("0.32.0", anchors.installed_reader())
+    checks = rewrite_checks("0.32.0", sources.installed_reader())
     assert len(checks) == 2 and all(c.ok for c in checks), [c.detail for c in checks]
 
 
@@ -23,11 +33,11 @@ def wheel_0_20_2() -> str:
 
 
 def test_0_20_2_wheel_anchors_and_hashes(wheel_0_20_2: str) -> None:
-    read = anchors.wheel_reader(wheel_0_20_2)
-    checks = anchors.check("0.20.2", read)
+    read = sources.wheel_reader(wheel_0_20_2)
+    checks = rewrite_checks("0.20.2", read)
     assert [c.patch_id for c in checks] == ["gdn-output-prealloc", "hybrid-turboquant", "hybrid-turboquant"]
     assert all(c.ok for c in checks), [c.detail for c in checks]
-    new = {str(c.rw.target): rewrite.check_text(c.rw, read(c.rw.path)) for c in checks}
+    new = {str(rw.target): rewrite.check_text(rw, read(rw.path)) for _, rw in rewrites("0.20.2")}
     for text in new.values():
         compile(text, "<check>", "exec")
     # the rewritten 0.20.2 forward slices the layer's buffer, and keeps stock's allocation only for
@@ -44,8 +54,8 @@ def test_0_20_2_wheel_anchors_and_hashes(wheel_0_20_2: str) -> None:
 
 
 def test_drift_is_detected() -> None:
-    read = anchors.installed_reader()
-    (pid, rw), *_ = list(anchors.all_rewrites("0.32.0"))
+    read = sources.installed_reader()
+    (pid, rw), *_ = rewrites("0.32.0")
     text = read(rw.path)
     with pytest.raises(AnchorError, match="hash mismatch"):
         rewrite.check_text(dataclasses.replace(rw, sha256="f" * 64), text)

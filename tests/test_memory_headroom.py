@@ -17,12 +17,14 @@ import pytest
 
 from conftest import worker_report
 from vllm_overlay import core, versions
+from vllm_overlay.patches import _memory_meters as meters
+from vllm_overlay.patches import _memory_watch as watch
 from vllm_overlay.patches import memory_headroom as mh
 from vllm_overlay.report import STATE
 
 
 def test_rss_meter_reads_and_resets_the_peak_of_this_process() -> None:
-    m = mh.RssMeter()
+    m = meters.RssMeter()
     m.reset_peak()
     before = m.peak()
     assert before >= m.current() - (1 << 20) > 0
@@ -36,8 +38,8 @@ def test_rss_meter_reads_and_resets_the_peak_of_this_process() -> None:
 
 
 def test_rss_meter_that_cannot_reset_says_why(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    m = mh.RssMeter(clear_refs=str(tmp_path / "no-such-dir" / "clear_refs"))
-    with pytest.raises(mh.MeterUnavailable, match="cannot reset the peak resident set"):
+    m = meters.RssMeter(clear_refs=str(tmp_path / "no-such-dir" / "clear_refs"))
+    with pytest.raises(meters.MeterUnavailable, match="cannot reset the peak resident set"):
         m.reset_peak()
 
 
@@ -230,7 +232,8 @@ def test_watch_windows_and_the_one_warning(tmp_path, caplog) -> None:  # type: i
     STATE.reset()
     m = Meter()
     mark = tmp_path / "memory-window.json"
-    w = mh.Watch(m, kv_bytes=40, baseline=50, budget=80, mark_path=str(mark), warn=True)
+    w = watch.Watch(m, kv_bytes=40, baseline=50, budget=80, mark_path=str(mark), warn=True,
+                    patch_id=mh.PATCH_ID)
     w.start()
     w.stop.set()  # the test ticks by hand
     m.top = 110

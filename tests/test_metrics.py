@@ -13,6 +13,7 @@ import pytest
 
 from vllm_overlay import core, metrics, report_files, server_id
 from vllm_overlay.report import STATE
+from vllm_overlay.stress import metrics_text
 from vllm_overlay.telemetry import in_band, merge_sizes
 
 
@@ -49,7 +50,7 @@ def test_collector_reads_only_this_servers_reports(tmp_path) -> None:  # type: i
     write(tmp_path, report(12, "srv-a", sizes, tp_rank=1))  # the same forwards again: not counted
     write(tmp_path, report(13, "srv-b", {2000: 50}))  # another server sharing the directory
     text = exposition(tmp_path, "srv-a")
-    s = metrics.parse(text)
+    s = metrics_text.parse(text)
     assert s.found and s.count == 10 and s.max_forward == 3000
     # the server's own edges (mnbt 3000, half of it 1500, the buffer rows) are bucket edges
     assert {1500, 3000, 1024, 2048} <= set(s.buckets)
@@ -64,7 +65,7 @@ def test_collector_reads_only_this_servers_reports(tmp_path) -> None:  # type: i
     # a file of no server's (an older release's name) is never opened; a changed file is re-read
     (tmp_path / "overlay-14.json").write_text("{")
     write(tmp_path, report(11, "srv-a", {**sizes, 2048: 7}))
-    later = metrics.parse(exposition(tmp_path, "srv-a"))
+    later = metrics_text.parse(exposition(tmp_path, "srv-a"))
     assert later.band(1024, 2048) == 10 and later.sizes_since(s) == {2048: 7}
 
 
@@ -74,7 +75,7 @@ def test_a_malformed_report_is_skipped_and_named_and_the_others_stay(tmp_path, c
     legacy = tmp_path / "overlay-5.json"  # `echo '[]' > D/overlay-5.json`: no server's file, never opened
     legacy.write_text("[]")
     text = exposition(tmp_path, "srv-a")
-    s = metrics.parse(text)
+    s = metrics_text.parse(text)
     assert s.band(1024, 2048) == 2 and set(s.processes) == {"12"}  # the good report's series stay
     bad = report_files.name(server_id.file_key("srv-a"), 11, f"{11:08x}")
     assert f'vllm_overlay_report_skipped_info{{file="{bad}",why="field \'buffers\' is str"}} 1.0' in text
@@ -83,7 +84,7 @@ def test_a_malformed_report_is_skipped_and_named_and_the_others_stay(tmp_path, c
 
 
 def test_no_reports_still_exports_zero_series(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    s = metrics.parse(exposition(tmp_path / "missing", "srv-a"))
+    s = metrics_text.parse(exposition(tmp_path / "missing", "srv-a"))
     assert s.found and s.count == 0 and s.buckets[1024] == 0 and s.processes == {}
 
 
@@ -140,7 +141,7 @@ def test_band_edges_must_be_bucket_edges() -> None:
     from vllm_overlay.stress.plan import UsageError
     from vllm_overlay.stress.run import _check_band_edges
 
-    s = metrics.Scrape(buckets={e: 0 for e in (512, 1024, 1500, 2048)})
+    s = metrics_text.Scrape(buckets={e: 0 for e in (512, 1024, 1500, 2048)})
     _check_band_edges(1024, 2048, s)
     _check_band_edges(0, 512, s)
     with pytest.raises(UsageError, match="--band 1000,2048: 1000 is not a bucket edge .* nearest edges: 512, 1024"):
@@ -150,11 +151,11 @@ def test_band_edges_must_be_bucket_edges() -> None:
 def test_read_metrics_bounds_the_largest_forward(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     from vllm_overlay.stress import run
 
-    before = metrics.Scrape(buckets={1024: 5, 2048: 5}, max_forward=2009)
-    after = metrics.Scrape(buckets={1024: 8, 2048: 20}, max_forward=2009,
+    before = metrics_text.Scrape(buckets={1024: 5, 2048: 5}, max_forward=2009)
+    after = metrics_text.Scrape(buckets={1024: 8, 2048: 20}, max_forward=2009,
                            processes={"7": {"role": "worker rank 0", "patches": {}, "counters": {}}})
     monkeypatch.setattr(run.time, "sleep", lambda s: None)
-    monkeypatch.setattr(run.metrics, "scrape", lambda base, timeout=30: after)
+    monkeypatch.setattr(run.metrics_text, "scrape", lambda base, timeout=30: after)
     procs, sizes, _, largest, exact = run._read_metrics("http://x", before)
     assert sizes == {1024: 3, 2048: 12} and (largest, exact) == (2009, False)
     assert procs[0]["_path"] == "http://x/metrics (pid 7)"
@@ -189,7 +190,7 @@ def test_metrics_match_the_reports_in_both_directions(served) -> None:  # type: 
     import time
 
     deadline = time.time() + 10  # the worker's buffer reaches its report within a flush period
-    while not (before := metrics.scrape(server.url)).buffer_rows and time.time() < deadline:
+    while not (before := metrics_text.scrape(server.url)).buffer_rows and time.time() < deadline:
         time.sleep(0.5)
     assert before.found, "no vllm_overlay_ series on /metrics"
     roles = {p["role"]: p["patches"] for p in before.processes.values()}
@@ -205,7 +206,7 @@ def test_metrics_match_the_reports_in_both_directions(served) -> None:  # type: 
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:] + server.text()[-3000:]
     by_reports = json.load(open(root / "out-reports" / "stress.json"))
     time.sleep(2.5)  # one flush period and more
-    middle = metrics.scrape(server.url)
+    middle = metrics_text.scrape(server.url)
     assert by_reports["telemetry"] == "reports"
     # the harness's warm-up wave runs before its clock and is not counted by it; /metrics saw it:
     # one band forward and the decode streams' forwards more than the verdict's
@@ -257,6 +258,6 @@ def test_each_new_failure_of_a_report_is_logged_again(tmp_path, caplog) -> None:
     text = generate_latest(reg).decode()
     warned = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
     assert len(warned) == 2 and "found list" in warned[0] and "no integer pid" in warned[1]
-    assert 'why="no integer pid"' in text and metrics.parse(text).band(1024, 2048) == 2
+    assert 'why="no integer pid"' in text and metrics_text.parse(text).band(1024, 2048) == 2
     os.unlink(bad)
     assert "report_skipped_info{" not in generate_latest(reg).decode()

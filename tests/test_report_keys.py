@@ -14,6 +14,7 @@ import pytest
 
 from conftest import PY, clean_env, load_reports
 from vllm_overlay import metrics, report_files, server_id
+from vllm_overlay.stress import metrics_text
 
 HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "overlay_process.py")
 
@@ -41,7 +42,7 @@ def test_same_pid_in_two_pid_namespaces_writes_two_files(tmp_path) -> None:  # t
     reports = load_reports(str(tmp_path / "reports"))
     assert sorted(r["telemetry"]["forwards"]["sizes"]["1500"] for r in reports) == [3, 5]
     for who, n in ((a, 3), (b, 5)):  # each server's /metrics counts its own forwards only
-        s = metrics.parse(_exposition(str(tmp_path / "reports"), who["server_id"]))
+        s = metrics_text.parse(_exposition(str(tmp_path / "reports"), who["server_id"]))
         assert s.band(1024, 2048) == n
 
 
@@ -111,7 +112,7 @@ def test_collector_opens_only_its_own_servers_files(tmp_path, monkeypatch) -> No
         return real_open(path, *a, **k)
 
     monkeypatch.setattr("builtins.open", spy)
-    s = metrics.parse(_exposition(directory, mine["server_id"]))
+    s = metrics_text.parse(_exposition(directory, mine["server_id"]))
     monkeypatch.setattr("builtins.open", real_open)
     assert s.band(1024, 2048) == 2
     assert [p for p in opened if p.startswith(directory)] == [mine["report"]]

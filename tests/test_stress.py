@@ -146,9 +146,9 @@ def test_server_mode_passes_and_reads_the_servers_reports(server, tmp_path) -> N
     assert res["mode"] == "server" and res["band_forwards"] >= 10 and res["requests_failed"] == 0
     assert res["warmup_s"] > 0 and res["waves_timed"] >= 1
     assert res["limits"]["max_num_batched_tokens"] == 2048  # read from the server's live config
-    from vllm_overlay import metrics
+    from vllm_overlay.stress import metrics_text
 
-    scraped = metrics.scrape(server.url)  # one API server: the default registry serves our series
+    scraped = metrics_text.scrape(server.url)  # one API server: the default registry serves our series
     assert scraped.found and scraped.band(1024, 2048) >= res["band_forwards"] and scraped.buffer_rows == [2048]
     assert res["ttft_p50_s"] is not None and res["tokens_per_s"] > 0
     check_png(res["png"])

@@ -26,7 +26,7 @@ from vllm_overlay.mechanisms import wrap as wrapmech
 from vllm_overlay import logs
 from vllm_overlay.logs import LOG
 from vllm_overlay.report import STATE
-from vllm_overlay.spec import PatchSpec
+from vllm_overlay.spec import PatchSpec, wrap_order_problems
 
 
 def unknown_release(version: str) -> str:
@@ -83,7 +83,24 @@ def registry() -> tuple[tuple[PatchSpec, ModuleType], ...]:
                 "(Target(..., wrapper='_fn'), rewrites); mechanisms/install.py installs it"
             )
         out.append((mod.SPEC, mod))
+    _check_wrap_order(tuple(spec for spec, _ in out))
     return tuple(out)
+
+
+_order_checked: list[tuple[PatchSpec, ...]] = [()]  # the specs last found in order (checked once)
+
+
+def _check_wrap_order(all_specs: tuple[PatchSpec, ...]) -> None:
+    """The registry's install order agrees with every spec's ``wraps_outside``, and every function two
+    patches change has an order declared (spec.wrap_order_problems); else an OverlayError."""
+    last = _order_checked[0]
+    if len(last) == len(all_specs) and all(a is b for a, b in zip(last, all_specs)):
+        return
+    problems = wrap_order_problems(all_specs)
+    if problems:
+        raise OverlayError("the wrap order of the registry's patches is not declared consistently: "
+                           + "; ".join(problems))
+    _order_checked[0] = all_specs
 
 
 def specs() -> tuple[PatchSpec, ...]:

@@ -1,5 +1,7 @@
-"""The registry: one module per patch, in the order they apply (later ones wrap outside
-earlier ones, so a patch listed later sees calls first)."""
+"""The registry: one module per patch, in the order they install (a later one wraps outside
+earlier ones, so a patch listed later sees calls first). Where two patches change one vLLM
+function, the later one's spec names the earlier one in ``wraps_outside``; ``core.registry()``
+refuses an order that contradicts the specs or leaves such a pair undeclared."""
 
 PATCH_MODULES: tuple[str, ...] = (
     "vllm_overlay.patches.forward_telemetry",

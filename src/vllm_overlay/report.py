@@ -268,6 +268,38 @@ def _ensure_flusher() -> None:
             _flusher.start()
 
 
+# ---- what a patch says in its own report entry ----------------------------------------------
+# A patch module writes its entry (``patches[id]`` of the report) only through these; the entry's
+# status is core's (decided, armed, applied, failed, reverted: STATE.set_patch).
+
+
+def patch_note(patch_id: str, **fields: Any) -> None:
+    """Set ``fields`` in the report entry of ``patch_id`` (its status stays as it is)."""
+    with STATE.lock:
+        STATE.patches.setdefault(patch_id, {}).update(fields)
+        STATE.dirty = True
+
+
+def patch_append(patch_id: str, name: str, item: Any) -> None:
+    """Append ``item`` to the list ``name`` of the report entry of ``patch_id`` (made empty first)."""
+    with STATE.lock:
+        STATE.patches.setdefault(patch_id, {}).setdefault(name, []).append(item)
+        STATE.dirty = True
+
+
+def patch_put(patch_id: str, name: str, key: str, value: Any) -> None:
+    """Set ``key`` of the mapping ``name`` of the report entry of ``patch_id`` (made empty first)."""
+    with STATE.lock:
+        STATE.patches.setdefault(patch_id, {}).setdefault(name, {})[key] = value
+        STATE.dirty = True
+
+
+def patch_entry(patch_id: str) -> dict[str, Any]:
+    """A copy of the report entry of ``patch_id`` (its top level; empty when it has none)."""
+    with STATE.lock:
+        return dict(STATE.patches.get(patch_id, {}))
+
+
 def flush() -> str | None:
     """Write this process's report now; returns its path."""
     return STATE.write()

@@ -5,6 +5,7 @@ support matrix (`vllm-overlay matrix`)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from packaging.specifiers import SpecifierSet
@@ -126,6 +127,9 @@ class PatchSpec:
     enabled_by: str | None = None  # a setting whose non-zero value turns the patch on
     disabled_by: str | None = None  # a setting whose value 0 turns a default-on patch off
     changes_traced_code: bool = False  # must change vLLM's compile-cache key
+    # the settings of ``settings`` that change what its traced code does (buffer shapes, guards):
+    # compile-cache-key folds them into vLLM's compile-cache key; only with changes_traced_code
+    traced_settings: tuple[str, ...] = ()
     rewrites: tuple[Rewrite, ...] = field(default=())
     # groups of modules of which one hooked completes the patch: vLLM imports the model runner
     # module it builds (V1 or Model Runner V2), and on some releases never the other one. The
@@ -135,6 +139,11 @@ class PatchSpec:
     # report counters of which one above 0 shows the patch acted (not only installed): a GPU result
     # proves the patch on its cell only then (bench/evidence.py); empty: applied is enough
     shown_by: tuple[str, ...] = ()
+    # ids of the patches whose wrappers this one's enclose on every vLLM function both change (this
+    # one sees the call first and passes on what it changed): two patches that change one
+    # module:qualname on a release declare their order here, and the registry installs them in it
+    # (``wrap_order_problems`` checks both)
+    wraps_outside: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.id or not all(p.isalnum() and p == p.lower() for p in self.id.split("-")):
@@ -149,6 +158,19 @@ class PatchSpec:
             raise ValueError(f"PatchSpec {self.id!r}: disabled_by turns off a default-on patch; default=False")
         if isinstance(self.shown_by, str) or not all(isinstance(c, str) and c for c in self.shown_by):
             raise ValueError(f"PatchSpec {self.id!r}: shown_by={self.shown_by!r}: expected a tuple of counter names")
+        if isinstance(self.traced_settings, str) or any(n not in self.settings for n in self.traced_settings):
+            raise ValueError(f"PatchSpec {self.id!r}: traced_settings={self.traced_settings!r}: expected a tuple "
+                             f"of names from its settings ({', '.join(self.settings) or 'none'})")
+        if self.traced_settings and not self.changes_traced_code:
+            raise ValueError(f"PatchSpec {self.id!r}: traced_settings={self.traced_settings!r} with "
+                             "changes_traced_code=False; expected changes_traced_code=True (only traced code's "
+                             "settings enter the compile-cache key)")
+        if isinstance(self.wraps_outside, str) or not all(isinstance(p, str) and p for p in self.wraps_outside):
+            raise ValueError(f"PatchSpec {self.id!r}: wraps_outside={self.wraps_outside!r}: expected a tuple of "
+                             "patch ids")
+        if self.id in self.wraps_outside:
+            raise ValueError(f"PatchSpec {self.id!r}: wraps_outside={self.wraps_outside!r} names the patch "
+                             "itself; expected the ids of other patches")
         rewritten = {(rw.target.module, rw.target.qualname) for rw in self.rewrites}
         for t in self.targets:
             if t.wrapper is None and (t.module, t.qualname) not in rewritten:
@@ -190,6 +212,10 @@ class PatchSpec:
     def rewrites_for(self, version: str) -> tuple[Rewrite, ...]:
         return tuple(rw for rw in self.rewrites if rw.version == version)
 
+    def changes(self, version: str) -> set[str]:
+        """The module:qualname of every function it wraps or rewrites on ``version`` (any platform)."""
+        return {str(t) for t in self.wrap_targets(version)} | {str(rw.target) for rw in self.rewrites_for(version)}
+
     def modules(self, version: str, platform: str | None = None) -> list[str]:
         """The vLLM modules whose import installs this patch on ``version`` (and ``platform``)."""
         mods = ([t.module for t in self.wrap_targets(version, platform)]
@@ -203,3 +229,64 @@ class PatchSpec:
         if self.disabled_by:
             return f"on (off when `{self.disabled_by}`=0)"
         return "on" if self.default else "off"
+
+
+def changed_functions(specs: Sequence[PatchSpec]) -> dict[tuple[str, str], list[str]]:
+    """(module:qualname, release) -> ids of the patches of ``specs`` that wrap or rewrite that
+    function on that release of ``versions.RELEASES`` (a release the patch applies on), in
+    ``specs`` order; only the functions more than one patch changes."""
+    out: dict[tuple[str, str], list[str]] = {}
+    for spec in specs:
+        for v in spec.applies_on():
+            for where in sorted(spec.changes(v)):
+                out.setdefault((where, v), []).append(spec.id)
+    return {k: ids for k, ids in out.items() if len(ids) > 1}
+
+
+def wrap_order_problems(specs: Sequence[PatchSpec]) -> list[str]:
+    """What is wrong with the declared wrap order of ``specs`` (the registry, in install order:
+    a patch installed later wraps outside the ones installed before it), one line each:
+
+    - a ``wraps_outside`` entry that is no patch id, or names a patch with which it shares no function;
+    - two patches that change one module:qualname on a release with no order declared between them,
+      or with each declared outside the other;
+    - a declaration the install order contradicts (the outer patch must come later)."""
+    problems: list[str] = []
+    ids = [s.id for s in specs]
+    position = {pid: i for i, pid in enumerate(ids)}
+    by_id = {s.id: s for s in specs}
+    shared: dict[frozenset[str], tuple[str, str]] = {}  # pair -> first (function, release) they share
+    for (where, v), pids in changed_functions(specs).items():
+        for i, a in enumerate(pids):
+            for b in pids[i + 1:]:
+                shared.setdefault(frozenset((a, b)), (where, v))
+    for spec in specs:
+        for other in spec.wraps_outside:
+            if other not in by_id:
+                problems.append(f"PatchSpec {spec.id!r}: wraps_outside names {other!r}, which is no patch of "
+                                f"the registry; expected ids of: {', '.join(ids)}")
+            elif frozenset((spec.id, other)) not in shared:
+                problems.append(f"PatchSpec {spec.id!r}: wraps_outside names {other!r}, but the two change no "
+                                "vLLM function in common on any release; expected only patches it shares a "
+                                "wrapped or rewritten module:qualname with (remove the entry)")
+            elif position[other] > position[spec.id]:
+                problems.append(f"PatchSpec {spec.id!r}: wraps_outside names {other!r}, but the registry "
+                                f"installs {spec.id!r} first, so its wrappers end up inside; expected "
+                                f"{other!r} listed before {spec.id!r} in PATCH_MODULES")
+    for pair, (where, v) in sorted(shared.items(), key=lambda kv: sorted(kv[0])):
+        a, b = sorted(pair, key=position.__getitem__)
+        a_out, b_out = b in by_id[a].wraps_outside, a in by_id[b].wraps_outside
+        if a_out and b_out:
+            problems.append(f"PatchSpecs {a!r} and {b!r}: each names the other in wraps_outside (both change "
+                            f"{where} on vLLM {v}); expected one of them to")
+        elif not (a_out or b_out):
+            problems.append(f"PatchSpecs {a!r} and {b!r} both change {where} on vLLM {v} and declare no order "
+                            f"between them; expected wraps_outside={(a,)!r} on {b!r} (or the other way round, "
+                            "with the registry order to match)")
+    return problems
+
+
+def wrap_order(specs: Sequence[PatchSpec], where: str, version: str) -> list[str]:
+    """The ids of ``specs`` that change ``where`` (module:qualname) on ``version``, innermost first
+    (the install order)."""
+    return [s.id for s in specs if version in s.applies_on() and where in s.changes(version)]

@@ -25,9 +25,16 @@ import pytest
 if importlib.util.find_spec("triton") is None:
     pytest.skip("needs Triton (runs the kernel with TRITON_INTERPRET=1 on the CPU); this venv has "
                 "none, and CI does not install it", allow_module_level=True)
+import sys  # noqa: E402
+
 import torch  # noqa: E402
 
-from vllm_overlay.kernels import tq_reference as ref  # noqa: E402
+# the torch reference lives with the benchmark that also compares against it (bench/tq_reference.py)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench"))
+try:
+    import tq_reference as ref  # noqa: E402
+finally:
+    sys.path.pop(0)
 
 # triton.jit picks the interpreter when it decorates (when the kernel module is imported) and the
 # interpreter reads TRITON_INTERPRET again when it runs: set for the import and for each test here

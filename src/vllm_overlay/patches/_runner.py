@@ -32,7 +32,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from vllm_overlay import settings
+from vllm_overlay import report, settings
 from vllm_overlay.errors import StrictModeError
 from vllm_overlay.report import LOG, STATE
 
@@ -170,9 +170,8 @@ def check_runner(spec: Any, runner: Any, forward_hooks: dict[str, tuple[str, ...
                     missing.append(f"{name} (not fired)")
             elif name not in got and spec.id not in marks(_definition(type(runner), name)):
                 missing.append(f"{name} (not the method {type(runner).__name__} calls)")
-    STATE.set_patch(spec.id, STATE.patches.get(spec.id, {}).get("status", "applied"),
-                    runner={"kind": k or "unknown", "class": class_name(runner), "hooks": hooks,
-                            "fired": sorted(got), "missing": missing})
+    report.patch_note(spec.id, runner={"kind": k or "unknown", "class": class_name(runner), "hooks": hooks,
+                                       "fired": sorted(got), "missing": missing})
     return missing
 
 

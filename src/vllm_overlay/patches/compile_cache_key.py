@@ -11,38 +11,58 @@ from vllm_overlay.spec import PatchSpec, Support, Target
 MODULE = "vllm.config.vllm"
 QUALNAME = "VllmConfig.compute_hash"
 
-# settings that change what the patched, traced code does (buffer shapes, guards)
-TRACED_SETTINGS = (
-    "VLLM_OVERLAY_PREALLOC_TOKEN_BUDGET",
-    "VLLM_OVERLAY_GDN_MAX_BATCHED_TOKENS",
-    "VLLM_OVERLAY_TEST_BUFFER_ROWS",
-    "VLLM_OVERLAY_TEST_GUARD",
-)
 
-SPEC = PatchSpec(
-    id="compile-cache-key",
-    title="Mix the overlay's traced-code patches into vLLM's compile-cache key",
-    why=(
-        "vLLM caches compiled graphs under a key made from its config and the contents of the "
-        "traced source files on disk. An in-memory rewrite changes neither, so a graph compiled "
-        "with a patched forward is loaded by a later run without the patch (seen on the H200: "
-        "\"'GatedDeltaNetAttention' object has no attribute '_legacy_buf'\"), and the reverse. "
-        "This patch folds the ids of the live patches that change traced code, and the settings "
-        "that change what that code does, into VllmConfig.compute_hash(). With no such patch "
-        "live the key is exactly stock vLLM's, so an overlay-off run shares stock's cache."
-    ),
-    upstream="https://github.com/vllm-project/vllm/blob/v0.20.2/vllm/compilation/backends.py",
-    targets=(Target(MODULE, QUALNAME, wrapper="_compute_hash"),),
-    mechanism="wrap",
-    support=(
-        Support(">=0.20.0,<=0.33.0", "applies",
-                "VllmConfig.compute_hash, which the patch folds the traced-code patches into, exists "
-                "in every release"),
-    ),
-    default=True,
-    retire_when="vLLM offers a hook for plugins to contribute to the compile-cache key.",
-    settings=TRACED_SETTINGS,
-)
+def traced_settings() -> tuple[str, ...]:
+    """The settings that change what the overlay's traced code does: every registry patch with
+    ``changes_traced_code`` names them in its ``traced_settings`` (in registry order, each once)."""
+    import importlib
+
+    from vllm_overlay.registry import PATCH_MODULES
+
+    out: list[str] = []
+    for name in PATCH_MODULES:
+        if name == __name__:
+            continue
+        spec = importlib.import_module(name).SPEC
+        if spec.changes_traced_code:
+            out.extend(n for n in spec.traced_settings if n not in out)
+    return tuple(out)
+
+
+def _spec() -> PatchSpec:
+    return PatchSpec(
+        id="compile-cache-key",
+        title="Mix the overlay's traced-code patches into vLLM's compile-cache key",
+        why=(
+            "vLLM caches compiled graphs under a key made from its config and the contents of the "
+            "traced source files on disk. An in-memory rewrite changes neither, so a graph compiled "
+            "with a patched forward is loaded by a later run without the patch (seen on the H200: "
+            "\"'GatedDeltaNetAttention' object has no attribute '_legacy_buf'\"), and the reverse. "
+            "This patch folds the ids of the live patches that change traced code, and the settings "
+            "that change what that code does, into VllmConfig.compute_hash(). With no such patch "
+            "live the key is exactly stock vLLM's, so an overlay-off run shares stock's cache."
+        ),
+        upstream="https://github.com/vllm-project/vllm/blob/v0.20.2/vllm/compilation/backends.py",
+        targets=(Target(MODULE, QUALNAME, wrapper="_compute_hash"),),
+        mechanism="wrap",
+        support=(
+            Support(">=0.20.0,<=0.33.0", "applies",
+                    "VllmConfig.compute_hash, which the patch folds the traced-code patches into, exists "
+                    "in every release"),
+        ),
+        default=True,
+        retire_when="vLLM offers a hook for plugins to contribute to the compile-cache key.",
+        settings=traced_settings(),  # what it reads: the traced patches' traced_settings
+    )
+
+
+def __getattr__(name: str) -> Any:
+    """``SPEC`` is built on first use, from the other patches' specs (which import nothing of this one)."""
+    if name == "SPEC":
+        spec = _spec()
+        globals()["SPEC"] = spec
+        return spec
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def overlay_factor() -> str:
@@ -52,7 +72,7 @@ def overlay_factor() -> str:
     parts = traced_code_digest_parts()
     if not parts:
         return ""
-    env = [f"{n}={settings.resolve(n).value!r}" for n in TRACED_SETTINGS]
+    env = [f"{n}={settings.resolve(n).value!r}" for n in traced_settings()]
     from vllm_overlay import __version__
 
     return hashlib.sha256("|".join([__version__, *parts, *env]).encode()).hexdigest()

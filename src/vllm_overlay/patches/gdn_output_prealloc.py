@@ -203,8 +203,15 @@ SPEC = PatchSpec(
         "VLLM_OVERLAY_STRICT", "VLLM_OVERLAY_TEST_BUFFER_ROWS", "VLLM_OVERLAY_TEST_GUARD",
     ),
     changes_traced_code=True,
+    traced_settings=(
+        "VLLM_OVERLAY_PREALLOC_TOKEN_BUDGET", "VLLM_OVERLAY_GDN_MAX_BATCHED_TOKENS",
+        "VLLM_OVERLAY_TEST_BUFFER_ROWS", "VLLM_OVERLAY_TEST_GUARD",
+    ),
     rewrites=REWRITES,
     either_modules=(RUNNER_MODULES,),
+    # _dummy_run, Worker.execute_model: the buffer check runs before telemetry records the forward,
+    # so a forward it refuses is never counted as run
+    wraps_outside=("forward-telemetry",),
 )
 
 

@@ -24,7 +24,7 @@ import threading
 from types import ModuleType
 from typing import Any
 
-from vllm_overlay import settings
+from vllm_overlay import report, settings
 from vllm_overlay.logs import LOG
 from vllm_overlay.report import STATE
 from vllm_overlay.spec import PatchSpec, Proof, Support, Target
@@ -151,9 +151,7 @@ def note_shipped() -> None:
             return
         _NOTED_SHIPPED[0] = True
     shipped = shipped_files()
-    with STATE.lock:
-        STATE.patches.setdefault(PATCH_ID, {})["shipped_configs"] = shipped
-        STATE.dirty = True
+    report.patch_note(PATCH_ID, shipped_configs=shipped)
     if not shipped:
         STATE.event("moe-configs: no tuned configs ship with this vllm-overlay; user-tuned files in "
                     f"{user_dir()} are used for the exact device they were tuned on")
@@ -175,10 +173,7 @@ def _args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, int, str 
 
 
 def _record(key: str, source: str, line: str, warn: bool) -> None:
-    with STATE.lock:
-        rec = STATE.patches.setdefault(PATCH_ID, {})
-        rec.setdefault("moe_configs", {})[key] = source
-        STATE.dirty = True
+    report.patch_put(PATCH_ID, "moe_configs", key, source)
     (LOG.warning if warn else LOG.info)(line)
     STATE.write()
 
@@ -244,7 +239,7 @@ def _get_moe_configs(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs:
         _record(key, "vLLM default",
                 f"moe-configs: {key}: vLLM default ({note}; no tuned file in {user_dir()}; "
                 f"`vllm-overlay tune-moe` writes one)", warn=False)
-    elif key not in STATE.patches.get(PATCH_ID, {}).get("moe_configs", {}):
+    elif key not in report.patch_entry(PATCH_ID).get("moe_configs", {}):
         _record(key, source, f"moe-configs: {key}: {source} (vLLM's own lookup)", warn=False)
     with _LOCK:
         _DECIDED[cache_key] = (source, configs, ours_path is not None)

@@ -76,6 +76,10 @@ SPEC = PatchSpec(
     retire_when="Never needed for the GDN crash; retire once no user sets the cap.",
     settings=("VLLM_OVERLAY_PROFILE_RUN_CAP", "VLLM_OVERLAY_STRICT"),
     either_modules=(RUNNER_MODULES,),
+    # _dummy_run (and capture_model, Worker.execute_model): outermost, so that the patches inside
+    # see the capped profiling forward that really runs (GDN's buffer check, telemetry's count) and
+    # its full-size forward before capture passes through them too
+    wraps_outside=("forward-telemetry", "gdn-output-prealloc"),
 )
 
 

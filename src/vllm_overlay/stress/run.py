@@ -9,11 +9,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_overlay import metrics, settings
+from vllm_overlay import settings
 from vllm_overlay.budget import BUDGET_SETTINGS
 from vllm_overlay.output import Out
 from vllm_overlay.progress import Ticker
 from vllm_overlay.reports import Scan, scan
+from vllm_overlay.stress import metrics_text
 from vllm_overlay.stress import plan as planmod
 from vllm_overlay.stress.plot import forward_sizes_png
 from vllm_overlay.stress.target import ServerError
@@ -131,7 +132,7 @@ def _execute(opts: Options, out: Out) -> dict[str, Any]:
         raise planmod.UsageError(f"--requests {opts.requests}: expected an integer >= 1")
     if opts.duration is not None and not (math.isfinite(opts.duration) and opts.duration > 0):
         raise planmod.UsageError(f"--duration {opts.duration}: expected seconds > 0")
-    first: metrics.Scrape | None = None  # server mode, telemetry from /metrics: the scrape before traffic
+    first: metrics_text.Scrape | None = None  # server mode, telemetry from /metrics: the scrape before traffic
     sid: str | None = None  # server mode: the server id its reports must carry
     not_counted: list[dict[str, Any]] = []
     server_cap: int | None = None
@@ -206,7 +207,7 @@ def _execute(opts: Options, out: Out) -> dict[str, Any]:
             if first is not None:
                 time.sleep(2.5)  # the workers' reports flush within a second; /metrics reads them
                 try:
-                    first = metrics.scrape(base, timeout=10)
+                    first = metrics_text.scrape(base, timeout=10)
                 except (OSError, ValueError) as exc:  # the server died after the warm-up: the waves fail
                     tick.note(f"cannot read {base}/metrics after the warm-up: {exc}")
             else:
@@ -224,7 +225,7 @@ def _execute(opts: Options, out: Out) -> dict[str, Any]:
                 # band forwards since the warm-up, read as the verdict will read them
                 try:
                     if first is not None:
-                        return metrics.scrape(base, timeout=10).band(lo, hi) - first.band(lo, hi)
+                        return metrics_text.scrape(base, timeout=10).band(lo, hi) - first.band(lo, hi)
                 except (OSError, ValueError, KeyError) as exc:  # no top-up; the verdict says why
                     tick.note(f"cannot read {base}/metrics for the band count: {exc}")
                     return opts.min_band_forwards
@@ -313,7 +314,7 @@ def _name_not_counted(out: Out, report_dir: str, sid: str, found: Scan) -> list[
     return others
 
 
-def _metrics_first(opts: Options, tgt: Any) -> metrics.Scrape | None:
+def _metrics_first(opts: Options, tgt: Any) -> metrics_text.Scrape | None:
     """The scrape of the server's /metrics before traffic, when the verdict is to come from it:
     --telemetry metrics, or auto without --report-dir (a server in a container, on another host)."""
     base = tgt.base
@@ -337,24 +338,24 @@ def _metrics_first(opts: Options, tgt: Any) -> metrics.Scrape | None:
     return scrape
 
 
-def _check_band_edges(lo: int, hi: int, scrape: metrics.Scrape) -> None:
+def _check_band_edges(lo: int, hi: int, scrape: metrics_text.Scrape) -> None:
     edges = sorted(scrape.buckets)
     missing = [e for e in (lo, hi) if e and e not in scrape.buckets]
     if missing:
         near = sorted(edges, key=lambda e: abs(e - missing[0]))[:4]
         raise planmod.UsageError(
             f"--band {lo},{hi}: {', '.join(map(str, missing))} is not a bucket edge of the server's "
-            f"{metrics.HIST} histogram, so /metrics cannot count the band exactly; nearest edges: "
+            f"{metrics_text.HIST} histogram, so /metrics cannot count the band exactly; nearest edges: "
             f"{', '.join(map(str, sorted(near)))} (or pass --report-dir DIR for exact sizes)")
 
 
-def _read_metrics(base: str, before: metrics.Scrape
+def _read_metrics(base: str, before: metrics_text.Scrape
                   ) -> tuple[list[dict[str, Any]], dict[int, int], list[int], int | None, bool]:
     """(process records, forwards per bucket edge, GDN buffer rows, the largest forward of this
     run, whether that is exact)."""
     time.sleep(2.5)  # the serving processes flush their reports every second
     try:
-        after = metrics.scrape(base, timeout=10)
+        after = metrics_text.scrape(base, timeout=10)
     except (OSError, ValueError):
         return [], {}, [], None, False  # the server is gone: the outcome already says why
     procs = []

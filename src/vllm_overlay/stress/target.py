@@ -13,8 +13,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
-from vllm_overlay import metrics
 from vllm_overlay.errors import OverlayError
+from vllm_overlay.stress import metrics_text
 
 PROBE_TIMEOUT_S = 10.0
 
@@ -27,7 +27,7 @@ class ServerError(OverlayError):
 class Target:
     base: str
     model: str
-    scrape: metrics.Scrape | None  # /metrics, parsed (None: /metrics answered with an HTTP error)
+    scrape: metrics_text.Scrape | None  # /metrics, parsed (None: /metrics answered with an HTTP error)
     metrics_error: str | None = None
 
     @property
@@ -68,7 +68,7 @@ def probe(base: str, timeout: float = PROBE_TIMEOUT_S) -> Target:
     except urllib.error.HTTPError as exc:
         return Target(base, models[0], None, f"GET /metrics answered HTTP {exc.code}")
     try:
-        scrape = metrics.parse(text)
+        scrape = metrics_text.parse(text)
     except Exception as exc:  # noqa: BLE001 - the parser raises ValueError and others on junk
         raise ServerError(f"{base} is not a vLLM server: GET /metrics is not Prometheus text "
                           f"({type(exc).__name__}: {str(exc)[:120]})") from None

@@ -1,4 +1,5 @@
-"""Torch reference for the TurboQuant verify kernel: pack a paged cache, unpack it, attend.
+"""Torch reference for the TurboQuant verify kernel (vllm_overlay.kernels.tq_verify): pack a paged
+cache, unpack it, attend. Used by bench/tq_verify_kernel.py and tests/interpreted/.
 
 Pure torch (CPU or GPU), no Triton and no vLLM. ``pack_k8v4`` writes the bytes vLLM 0.20.2's
 ``triton_turboquant_store`` writes for ``turboquant_k8v4`` (FP8 e4m3 key bytes, then 4-bit value

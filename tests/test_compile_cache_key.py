@@ -1,0 +1,59 @@
+"""compile-cache-key folds the settings the traced-code patches declare (``traced_settings``) into
+vLLM's compile-cache key: the list comes from the specs, and the key is what it always was."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+import pytest
+
+from vllm_overlay import __version__, core
+from vllm_overlay.patches import compile_cache_key as cck
+from vllm_overlay.patches import gdn_output_prealloc as gdn
+from vllm_overlay.spec import PatchSpec, Support, Target
+
+GDN_TRACED = ("VLLM_OVERLAY_PREALLOC_TOKEN_BUDGET", "VLLM_OVERLAY_GDN_MAX_BATCHED_TOKENS",
+              "VLLM_OVERLAY_TEST_BUFFER_ROWS", "VLLM_OVERLAY_TEST_GUARD")
+
+
+def test_traced_settings_come_from_the_traced_patches_specs() -> None:
+    traced = [s for s in core.specs() if s.changes_traced_code]
+    assert [s.id for s in traced] == ["gdn-output-prealloc"]
+    assert cck.traced_settings() == gdn.SPEC.traced_settings == GDN_TRACED
+    assert cck.SPEC.settings == GDN_TRACED  # what `plan --ledger` prints for it
+    assert "VLLM_OVERLAY_STRICT" in gdn.SPEC.settings and "VLLM_OVERLAY_STRICT" not in cck.traced_settings()
+
+
+def test_a_changed_declaration_changes_what_enters_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gdn, "SPEC", dataclasses.replace(gdn.SPEC, traced_settings=GDN_TRACED[:1]))
+    assert cck.traced_settings() == GDN_TRACED[:1]
+
+
+def test_the_key_factor_is_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(core, "traced_code_digest_parts", lambda: [])
+    assert cck.overlay_factor() == ""
+    monkeypatch.setattr(core, "traced_code_digest_parts", lambda: ["gdn-output-prealloc"])
+    monkeypatch.setenv("VLLM_OVERLAY_PREALLOC_TOKEN_BUDGET", "4096")
+    env = ["VLLM_OVERLAY_PREALLOC_TOKEN_BUDGET=4096", "VLLM_OVERLAY_GDN_MAX_BATCHED_TOKENS=None",
+           "VLLM_OVERLAY_TEST_BUFFER_ROWS=None", "VLLM_OVERLAY_TEST_GUARD=True"]
+    want = hashlib.sha256("|".join([__version__, "gdn-output-prealloc", *env]).encode()).hexdigest()
+    assert cck.overlay_factor() == want
+    monkeypatch.setenv("VLLM_OVERLAY_STRICT", "1")  # read by the GDN patch, not by its traced code
+    assert cck.overlay_factor() == want
+    monkeypatch.setenv("VLLM_OVERLAY_TEST_GUARD", "0")
+    assert cck.overlay_factor() != want
+
+
+def _spec(**kw: object) -> PatchSpec:
+    return PatchSpec(id="p", title="p", why="", upstream="", mechanism="wrap", default=True, retire_when="",
+                     targets=(Target("m", "f", wrapper="_w"),), support=(Support(">=0.20.0", "applies", "t"),),
+                     **kw)  # type: ignore[arg-type]
+
+
+def test_traced_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match=r"traced_settings=\('B',\): expected a tuple of names from its settings \(A\)"):
+        _spec(settings=("A",), traced_settings=("B",), changes_traced_code=True)
+    with pytest.raises(ValueError, match="expected changes_traced_code=True"):
+        _spec(settings=("A",), traced_settings=("A",))
+    assert _spec(settings=("A",), traced_settings=("A",), changes_traced_code=True).traced_settings == ("A",)

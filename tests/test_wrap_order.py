@@ -96,3 +96,29 @@ def test_installed_wrappers_follow_the_declared_order(tmp_path, monkeypatch) -> 
     finally:
         core.revert()
         STATE.reset()
+
+
+def test_hooks_are_declared_in_the_spec(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A patch module's prepare()/on_revert() run only as its spec declares them (PatchSpec.hooks): a
+    module that defines one its spec does not declare (or declares one it lacks) stops the registry."""
+    import dataclasses
+
+    import pytest
+
+    from vllm_overlay import core
+    from vllm_overlay.errors import OverlayError
+    from vllm_overlay.patches import turboquant_v1_kv_shape as mod
+    from vllm_overlay.spec import PatchSpec
+
+    for spec, module in core.registry():
+        defined = {h for h in ("prepare", "on_revert") if callable(getattr(module, h, None))}
+        assert set(spec.hooks) == defined, spec.id
+    monkeypatch.setattr(mod, "SPEC", dataclasses.replace(mod.SPEC, hooks=()))
+    core._order_checked[0] = ()
+    with pytest.raises(OverlayError, match=r"turboquant_v1_kv_shape: SPEC.hooks=\(\) but the module defines "
+                                           r"\('on_revert',\)"):
+        core.registry()
+    with pytest.raises(ValueError, match="hooks=\\('undo',\\): expected a tuple of distinct names from prepare, "
+                                         "on_revert"):
+        PatchSpec(**{**{f.name: getattr(mod.SPEC, f.name) for f in dataclasses.fields(PatchSpec)},
+                     "hooks": ("undo",)})

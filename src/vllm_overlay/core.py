@@ -26,7 +26,7 @@ from vllm_overlay.mechanisms import wrap as wrapmech
 from vllm_overlay import logs
 from vllm_overlay.logs import LOG
 from vllm_overlay.report import STATE
-from vllm_overlay.spec import PatchSpec, wrap_order_problems
+from vllm_overlay.spec import HOOKS, PatchSpec, wrap_order_problems
 
 
 def unknown_release(version: str) -> str:
@@ -81,6 +81,12 @@ def registry() -> tuple[tuple[PatchSpec, ModuleType], ...]:
             raise OverlayError(
                 f"{name} defines {', '.join(stale)}: patches declare what they wrap and rewrite in SPEC "
                 "(Target(..., wrapper='_fn'), rewrites); mechanisms/install.py installs it"
+            )
+        defined = tuple(h for h in HOOKS if callable(getattr(mod, h, None)))
+        if set(defined) != set(mod.SPEC.hooks):
+            raise OverlayError(
+                f"{name}: SPEC.hooks={mod.SPEC.hooks!r} but the module defines {defined!r}: declare every "
+                f"function of {', '.join(HOOKS)} the module defines (core and the installer call only those)"
             )
         out.append((mod.SPEC, mod))
     _check_wrap_order(tuple(spec for spec, _ in out))
@@ -408,7 +414,7 @@ def revert() -> list[str]:
                 active = _ACTIVE[pid]
                 active.live = False
                 errors = _undo_all(active)
-                if hasattr(active.module, "on_revert"):
+                if "on_revert" in active.spec.hooks:
                     try:
                         active.module.on_revert()
                     except Exception as exc:  # noqa: BLE001

@@ -12,6 +12,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 STATUSES = ("applies", "upstream-merged", "not-needed", "unsupported")
+HOOKS = ("prepare", "on_revert")  # the patch-module functions a spec may declare (PatchSpec.hooks)
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,10 @@ class PatchSpec:
     # report counters of which one above 0 shows the patch acted (not only installed): a GPU result
     # proves the patch on its cell only then (bench/evidence.py); empty: applied is enough
     shown_by: tuple[str, ...] = ()
+    # functions of the patch module that mechanisms/install.py and core.revert call: "prepare"
+    # (prepare(module_name), before the first wrap once a target module is imported) and
+    # "on_revert" (on_revert(), after its wrappers are removed); a module defining one must declare it
+    hooks: tuple[str, ...] = ()
     # ids of the patches whose wrappers this one's enclose on every vLLM function both change (this
     # one sees the call first and passes on what it changed): two patches that change one
     # module:qualname on a release declare their order here, and the registry installs them in it
@@ -156,6 +161,9 @@ class PatchSpec:
             raise ValueError(f"PatchSpec {self.id!r}: enabled_by and disabled_by are exclusive")
         if self.disabled_by and not self.default:
             raise ValueError(f"PatchSpec {self.id!r}: disabled_by turns off a default-on patch; default=False")
+        if isinstance(self.hooks, str) or not set(self.hooks) <= set(HOOKS) or len(set(self.hooks)) != len(self.hooks):
+            raise ValueError(f"PatchSpec {self.id!r}: hooks={self.hooks!r}: expected a tuple of distinct names "
+                             f"from {', '.join(HOOKS)}")
         if isinstance(self.shown_by, str) or not all(isinstance(c, str) and c for c in self.shown_by):
             raise ValueError(f"PatchSpec {self.id!r}: shown_by={self.shown_by!r}: expected a tuple of counter names")
         if isinstance(self.traced_settings, str) or any(n not in self.settings for n in self.traced_settings):

@@ -3,9 +3,10 @@ rewrites recorded for the installed release in that module, then wrap every targ
 module that applies to the release with the wrapper function the target names. A failure undoes
 what this call installed before it raises, so a patch is either in place for a module or not.
 
-A patch module may define ``prepare(module_name)``: run first, when ``module_name`` is imported, for
-work that is not a wrap (importing a submodule its targets live in, registering an object); its
-``on_revert()`` undoes it, here too when the install fails."""
+A patch whose spec declares the hook ``prepare`` (``PatchSpec.hooks``) has ``prepare(module_name)`` of
+its module run first, when ``module_name`` is imported, for work that is not a wrap (importing a
+submodule its targets live in, registering an object); its declared ``on_revert()`` undoes it, here
+too when the install fails."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from vllm_overlay.spec import PatchSpec
 def install(spec: PatchSpec, patch_module: ModuleType, module_name: str, version: str,
             platform: str | None = None) -> list[wrap.Installed]:
     out: list[wrap.Installed] = []
-    prepare = getattr(patch_module, "prepare", None)
+    prepare = getattr(patch_module, "prepare", None) if "prepare" in spec.hooks else None
     try:
         if callable(prepare):
             prepare(module_name)
@@ -39,7 +40,7 @@ def install(spec: PatchSpec, patch_module: ModuleType, module_name: str, version
     except Exception:
         for done in reversed(out):
             done.undo()
-        if callable(prepare) and callable(getattr(patch_module, "on_revert", None)):
+        if callable(prepare) and "on_revert" in spec.hooks:
             patch_module.on_revert()
         raise
     if not out:

@@ -23,6 +23,7 @@ from vllm_overlay.spec import PatchSpec, Proof, Support, Target
 
 SPEC = PatchSpec(
     id="forward-telemetry",
+    hooks=("on_revert",),
     title="Forward-size telemetry in the worker",
     why=(
         "The bug this project exists for only happens when one forward lands in a narrow band of "

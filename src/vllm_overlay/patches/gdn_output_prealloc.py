@@ -145,6 +145,7 @@ REWRITES = tuple(dataclasses.replace(rw, gone=GONE) for rw in REWRITES)
 
 SPEC = PatchSpec(
     id="gdn-output-prealloc",
+    hooks=("on_revert",),
     title="GDN output buffer sized by the token-budget resolver, guarded outside compiled code",
     why=__doc__.split("\n\n")[1] + " " + __doc__.split("\n\n")[2],
     upstream="https://github.com/vllm-project/vllm/pull/28182 (why the buffer must be zeroed)",

@@ -38,6 +38,7 @@ FM_PATH = "model_executor/layers/fused_moe/fused_moe.py"
 
 SPEC = PatchSpec(
     id=PATCH_ID,
+    hooks=("on_revert",),
     title="Tuned fused-MoE configs for the hybrid MoE shapes, for the exact device only",
     why=" ".join(__doc__.split("\n\n")[1:3]).replace("\n", " ").strip(),
     upstream="https://github.com/vllm-project/vllm/blob/v0.20.2/vllm/model_executor/layers/fused_moe/fused_moe.py "

@@ -22,6 +22,7 @@ from vllm_overlay.spec import PatchSpec, Proof, Support, Target
 
 SPEC = PatchSpec(
     id="profile-run-cap",
+    hooks=("on_revert",),
     title="Cap the memory-profiling dummy forward (never a buffer size)",
     why=(
         "vLLM profiles activation memory with one dummy forward of max_num_batched_tokens tokens. "

@@ -15,6 +15,7 @@ VLLM_USES = "from prometheus_client import REGISTRY, CollectorRegistry, multipro
 
 SPEC = PatchSpec(
     id="prometheus-metrics",
+    hooks=("prepare", "on_revert"),
     title="Overlay series (vllm_overlay_...) on vLLM's own /metrics",
     why=(
         "Operators watch vLLM through /metrics, not through JSON files. vLLM's API server serves "

@@ -50,6 +50,7 @@ _COMMON = (
 
 SPEC = PatchSpec(
     id="turboquant-prefill-continuation",
+    hooks=("on_revert",),
     title="TurboQuant prefill batches with cached context never take the no-cache fast path",
     why=" ".join(" ".join(__doc__.split("\n\n")[1:3]).split()),
     upstream="https://github.com/vllm-project/vllm/issues/46460",

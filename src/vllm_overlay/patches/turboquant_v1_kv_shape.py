@@ -48,6 +48,7 @@ _AUTO_BRANCH = '"auto"\n                        if kv_cache_spec.kv_quant_mode =
 
 SPEC = PatchSpec(
     id="turboquant-v1-kv-shape",
+    hooks=("on_revert",),
     title="TurboQuant KV caches keep their dtype in the V1 runner's KV-cache reshape (TurboQuant boots on V1)",
     why=" ".join(" ".join(__doc__.split("\n\n")[1:3]).split()),
     upstream="https://github.com/vllm-project/vllm/issues/50709",

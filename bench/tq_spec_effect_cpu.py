@@ -20,7 +20,7 @@ Seen on 2026-12-01 (vLLM 0.32.0's CPU build, 2 cores, dummy weights, greedy, 16 
 of 16, 512, 1024, 2000 and 4000 tokens, top-20): the tiny hybrid (hidden 256, one full-attention
 layer) moves by at most 0.000492 (later positions; 5-8 steps of its logits' bf16 grid, top-20
 overlap 19/20): below the 0.002 that two correct runs of the 35B geometry differed by on the H200
-(bench/results/stack-issue14-steps-h200.json), so it cannot show the fault. The 35B geometry's
+(bench/results/stack-tq-mtp-steps-h200.json), so it cannot show the fault. The 35B geometry's
 first 8 layers (hidden 2048, 16 query and 2 KV heads of 256, two full-attention layers; 8 experts
 here for the CPU's memory, 256 on the GPU) move by 0.031-0.062, top-20 overlap 1-8 of 20, the top-1
 token kept (dummy weights: every model repeats the prompt's last token), first tokens bit-identical.

@@ -83,6 +83,22 @@ def test_a_malformed_report_is_skipped_and_named_and_the_others_stay(tmp_path, c
     assert len(warned) == 1 and bad in warned[0] and "field 'buffers' is str" in warned[0]
 
 
+def test_each_report_s_age_is_a_series(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """vllm_overlay_report_age_seconds: how long ago each process of this server wrote its report (a
+    process that stopped writing shows an age that only grows); a report without `written` has none."""
+    import time
+
+    now = time.time()
+    write(tmp_path, report(21, "srv-a", {5: 1}, written=now - 7200))  # a worker that stopped writing
+    write(tmp_path, report(22, "srv-a", {5: 1}, tp_rank=1, written=now - 1))
+    write(tmp_path, report(23, "srv-a", {5: 1}, tp_rank=2))  # no `written` field: no series
+    text = exposition(tmp_path, "srv-a")
+    ages = {line.split('pid="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line.startswith("vllm_overlay_report_age_seconds{")}
+    assert set(ages) == {"21", "22"}, text
+    assert 7199 <= ages["21"] <= 7300 and 0 <= ages["22"] < 100
+
+
 def test_no_reports_still_exports_zero_series(tmp_path) -> None:  # type: ignore[no-untyped-def]
     s = metrics_text.parse(exposition(tmp_path / "missing", "srv-a"))
     assert s.found and s.count == 0 and s.buckets[1024] == 0 and s.processes == {}

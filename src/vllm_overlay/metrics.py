@@ -34,6 +34,7 @@ import glob
 import json
 import os
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -163,11 +164,18 @@ def families(reports: list[dict[str, Any]], server: str | None,
                              labels=["role", "pid", "device", "dtype", "shape", "source"])
     info = InfoMetricFamily(PREFIX + "patch", "One series per patch and process: its status there.",
                             labels=["patch", "status", "role", "pid"])
+    age = GaugeMetricFamily(PREFIX + "report_age_seconds",
+                            "Seconds since a process of this server last wrote its report (a live process "
+                            "rewrites it when it changes and at least hourly: older means stale).",
+                            labels=["role", "pid"])
+    now = time.time()
     processes: dict[str, int] = {}
     config: dict[str, str] = {}
     for rep in reports:
         role, pid = str(rep.get("role", "")), str(rep.get("pid", ""))
         processes[role] = processes.get(role, 0) + 1
+        if isinstance(rep.get("written"), (int, float)):
+            age.add_metric([role, pid], max(0.0, round(now - float(rep["written"]), 1)))
         counters = rep.get("counters") or {}
         checks.add_metric([role, pid], int(counters.get("guard_checks", 0)))
         trips.add_metric([role, pid], int(counters.get("guard_trips", 0)))
@@ -183,7 +191,7 @@ def families(reports: list[dict[str, Any]], server: str | None,
                 config[k] = str(v)
         if rep.get("vllm_version"):
             config.setdefault("vllm_version", str(rep["vllm_version"]))
-    yield from (checks, trips, rows, size, info)
+    yield from (checks, trips, rows, size, info, age)
     cfg = InfoMetricFamily(PREFIX + "engine_config",
                            "The live engine limits the workers saw, and the server id.",
                            labels=["server_id"])

@@ -26,7 +26,7 @@ from vllm_overlay.mechanisms import wrap as wrapmech
 from vllm_overlay import logs
 from vllm_overlay.logs import LOG
 from vllm_overlay.report import STATE
-from vllm_overlay.spec import HOOKS, PatchSpec, wrap_order_problems
+from vllm_overlay.spec import HOOKS, PatchSpec, version_problems, wrap_order_problems
 
 
 def unknown_release(version: str) -> str:
@@ -88,6 +88,9 @@ def registry() -> tuple[tuple[PatchSpec, ModuleType], ...]:
                 f"{name}: SPEC.hooks={mod.SPEC.hooks!r} but the module defines {defined!r}: declare every "
                 f"function of {', '.join(HOOKS)} the module defines (core and the installer call only those)"
             )
+        problems = version_problems(mod.SPEC)
+        if problems:
+            raise OverlayError(f"{name}: its version facts disagree with versions.RELEASES: " + "; ".join(problems))
         out.append((mod.SPEC, mod))
     _check_wrap_order(tuple(spec for spec, _ in out))
     return tuple(out)

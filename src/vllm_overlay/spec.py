@@ -298,3 +298,52 @@ def wrap_order(specs: Sequence[PatchSpec], where: str, version: str) -> list[str
     """The ids of ``specs`` that change ``where`` (module:qualname) on ``version``, innermost first
     (the install order)."""
     return [s.id for s in specs if version in s.applies_on() and where in s.changes(version)]
+
+
+def version_problems(spec: PatchSpec) -> list[str]:
+    """Where ``spec``'s version facts disagree with ``versions.RELEASES``, the one list of releases, or
+    with each other: a support row that matches no release or a release another row already took, a
+    release no row covers, a target range reaching releases the patch does not apply on (or none at
+    all), a recorded rewrite for a release the patch does not apply on, and a rewritten target without
+    a rewrite for a release where it applies. One line each, naming the spec and the field."""
+    from vllm_overlay.versions import RELEASES
+
+    out = []
+    taken: dict[str, int] = {}
+    for i, row in enumerate(spec.support):
+        hit = [v for v in RELEASES if row.covers(v)]
+        if not hit:
+            out.append(f"{spec.id}: support[{i}] vllm={row.vllm!r} matches no release of versions.RELEASES")
+        for v in hit:
+            if v in taken:
+                out.append(f"{spec.id}: support[{i}] vllm={row.vllm!r} covers {v}, already covered by "
+                           f"support[{taken[v]}]")
+            else:
+                taken[v] = i
+    gaps = [v for v in RELEASES if v not in taken]
+    if gaps:
+        out.append(f"{spec.id}: no support row covers {', '.join(gaps)} (add a row, e.g. 'unsupported')")
+    applies = set(spec.applies_on())
+    rewritten = {(rw.target.module, rw.target.qualname) for rw in spec.rewrites}
+    for t in spec.targets:
+        if not t.vllm:
+            continue
+        hit = {v for v in RELEASES if t.applies_to(v)}
+        if not hit & applies:
+            out.append(f"{spec.id}: target {t} vllm={t.vllm!r} matches no release the patch applies on")
+        elif hit - applies and t.wrapper is not None:
+            out.append(f"{spec.id}: target {t} vllm={t.vllm!r} reaches {', '.join(sorted(hit - applies))}, where "
+                       "the patch does not apply")
+    for rw in spec.rewrites:
+        if rw.version not in applies:
+            out.append(f"{spec.id}: a rewrite of {rw.target} is recorded for {rw.version}, where the patch does "
+                       "not apply")
+    for t in spec.targets:
+        if t.wrapper is None and (t.module, t.qualname) in rewritten:
+            have = {rw.version for rw in spec.rewrites
+                    if (rw.target.module, rw.target.qualname) == (t.module, t.qualname)}
+            want = {v for v in applies if t.applies_to(v)}
+            if want - have:
+                out.append(f"{spec.id}: target {t} is rewritten but no rewrite is recorded for "
+                           f"{', '.join(sorted(want - have))}")
+    return out

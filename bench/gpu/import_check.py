@@ -12,8 +12,12 @@ What cannot run on CPU is stood in for, and only that:
 - the GPU: vLLM's current platform is set to its CUDA platform class reporting an H200
   (compute capability 9.0, 141 GiB), so every `if current_platform.is_cuda()` branch at import
   time is taken as on the H200;
-- Triton's driver: vLLM disables Triton when no GPU driver is active, and Model Runner V2 then
-  refuses to start, so the engine-config step sees Triton as present (vllm.config.vllm.HAS_TRITON).
+- Triton's driver: vLLM disables Triton when no GPU driver is active (it imports a placeholder
+  instead, and Model Runner V2 then refuses to start), so Triton's NVIDIA driver reports itself
+  active, as on the H200, before vLLM looks: vLLM's kernels are defined with the real Triton (0.33.0's
+  Mamba SSD kernels read `num_stages` of their autotune configs at import on capability 9.0, which
+  the placeholder's configs lack), and the engine-config step sees Triton as present
+  (vllm.config.vllm.HAS_TRITON). Nothing is compiled.
 
 It imports the modules a `vllm serve` / `LLM(...)` process loads for the tiny Qwen3-Next hybrid
 (CLI, API server, engine core, worker, Model Runner V1 and V2, the model, the FlashAttention and
@@ -96,6 +100,16 @@ def read_list(path: str) -> dict[str, str]:
     return out
 
 
+def triton_driver_active() -> None:
+    try:
+        from triton.backends import backends
+    except ImportError:
+        return
+    nvidia = backends.get("nvidia")
+    if nvidia is not None and nvidia.driver is not None:
+        nvidia.driver.is_active = staticmethod(lambda: True)
+
+
 def fake_h200() -> None:
     import vllm.platforms as platforms
     from vllm.platforms.cuda import NonNvmlCudaPlatform
@@ -128,6 +142,7 @@ def main() -> int:
     sys.meta_path.append(missing)
     failures: dict[str, str] = {}
 
+    triton_driver_active()
     fake_h200()
     from vllm.platforms import current_platform
 

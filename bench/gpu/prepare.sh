@@ -3,6 +3,7 @@
 # Python already has torch (the H200 image of 2026-12-01: Python 3.12.3, torch 2.11.0+cu130):
 #
 #   bash bench/gpu/prepare.sh [VERSION]          # default 0.26.0; from the checkout root, 3-5 minutes
+#   ZSTD_LEVEL=9 bash bench/gpu/prepare.sh 0.33.0   # a release that carries torch: 2 minutes
 #
 # writes .gpu/VERSION/: part00, part01, ... (vLLM's wheel unpacked and the wheels it needs beyond the
 # host's packages, one zstd-compressed tar split into parts of at most PART_SIZE, default 56M, for a
@@ -10,7 +11,11 @@
 # unpack them) and MANIFEST (sha256 sums). Copy .gpu/VERSION/ to the host's checkout, in as many
 # copies as the transport needs, and run bench/gpu/device_install.sh VERSION there.
 # DEVICE_WHEELS (default bench/gpu/device-wheels-VERSION.txt): the wheels the release needs beyond the
-# host's packages, one name==version a line (bench/gpu/README.md says how the 0.26.0 list was made).
+# host's packages, one name==version a line (bench/gpu/README.md says how the lists were made;
+# bench/gpu/walk_requirements.py makes one).
+# ZSTD_LEVEL (default 19): the compression level. A release that carries torch is 2.2 GB to pack, mostly
+# wheels (deflated already): on 2 busy cores level 9 packed 0.33.0 in about a minute, where level 19
+# had written 94 MB of parts after 4 minutes (2026-12-01).
 # Needs pip with access to a package index, and zstd (the command, or Python's zstandard module).
 # Delete .gpu/VERSION/ to rebuild.
 set -euo pipefail
@@ -28,13 +33,12 @@ if [ -f "$out/MANIFEST" ]; then
 fi
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
-# cp312 wheels for manylinux x86_64 up to 2_35; 2_29-2_33 included: llguidance 1.7.x, which vLLM
-# 0.22+ pin, exists only as manylinux_2_31 wheels
+# cp312 wheels for every manylinux x86_64 tag up to 2_35: llguidance 1.7.x, which vLLM 0.22+ pin,
+# exists only as manylinux_2_31 wheels; NCCL's wheels (torch 2.13+ pin them) are manylinux_2_18,
+# CUPTI's 2_25, NVRTC's 2_12
 plat=(--only-binary=:all: --python-version 3.12 --implementation cp)
-for p in manylinux_2_35 manylinux_2_34 manylinux_2_33 manylinux_2_32 manylinux_2_31 manylinux_2_30 \
-         manylinux_2_29 manylinux_2_28 manylinux_2_27 manylinux_2_24 manylinux_2_17 manylinux2014 manylinux1; do
-  plat+=(--platform "${p}_x86_64")
-done
+for m in $(seq 35 -1 5); do plat+=(--platform "manylinux_2_${m}_x86_64"); done
+for p in manylinux2014 manylinux2010 manylinux1; do plat+=(--platform "${p}_x86_64"); done
 plat+=(--platform any)
 echo "downloading vLLM $VLLM_VERSION and the wheels in $DEVICE_WHEELS ..."
 python3 -m pip download -q --no-deps "${plat[@]}" -d "$work/dl" "vllm==$VLLM_VERSION"
@@ -48,8 +52,9 @@ mkdir -p "$work/payload/site"
 rm -f "$work/payload/site/vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so"
 # The Rust frontend binary (43 MB, 11 MB packed) runs only with VLLM_USE_RUST_FRONTEND=1 (vllm/envs.py).
 rm -f "$work/payload/site/vllm/vllm-rs"
-echo "compressing (about two minutes) ..."
+echo "compressing $(du -sh "$work/payload" | cut -f1) ..."
 mkdir -p "$out"
-python3 "$here/bundle.py" pack "$work/payload" "$out" --part-size "${PART_SIZE:-56M}" --add "$work/zstandard.whl"
+python3 "$here/bundle.py" pack "$work/payload" "$out" --part-size "${PART_SIZE:-56M}" --level "${ZSTD_LEVEL:-19}" \
+  --add "$work/zstandard.whl"
 ls -la "$out"
 echo "done: vLLM $VLLM_VERSION in $out; on the GPU host: bash bench/gpu/device_install.sh $VLLM_VERSION"

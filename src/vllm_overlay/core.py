@@ -88,23 +88,27 @@ def registry() -> tuple[tuple[PatchSpec, ModuleType], ...]:
                 f"{name}: SPEC.hooks={mod.SPEC.hooks!r} but the module defines {defined!r}: declare every "
                 f"function of {', '.join(HOOKS)} the module defines (core and the installer call only those)"
             )
-        problems = version_problems(mod.SPEC)
-        if problems:
-            raise OverlayError(f"{name}: its version facts disagree with versions.RELEASES: " + "; ".join(problems))
         out.append((mod.SPEC, mod))
-    _check_wrap_order(tuple(spec for spec, _ in out))
+    _check_specs(tuple(spec for spec, _ in out))
     return tuple(out)
 
 
 _order_checked: list[tuple[PatchSpec, ...]] = [()]  # the specs last found in order (checked once)
 
 
-def _check_wrap_order(all_specs: tuple[PatchSpec, ...]) -> None:
-    """The registry's install order agrees with every spec's ``wraps_outside``, and every function two
-    patches change has an order declared (spec.wrap_order_problems); else an OverlayError."""
+def _check_specs(all_specs: tuple[PatchSpec, ...]) -> None:
+    """Once per set of spec objects: every spec's version facts agree with versions.RELEASES
+    (spec.version_problems), the registry's install order agrees with every spec's ``wraps_outside``,
+    and every function two patches change has an order declared (spec.wrap_order_problems); else an
+    OverlayError."""
     last = _order_checked[0]
     if len(last) == len(all_specs) and all(a is b for a, b in zip(last, all_specs)):
         return
+    for spec in all_specs:
+        problems = version_problems(spec)
+        if problems:
+            raise OverlayError(f"patch {spec.id!r}: its version facts disagree with versions.RELEASES: "
+                               + "; ".join(problems))
     problems = wrap_order_problems(all_specs)
     if problems:
         raise OverlayError("the wrap order of the registry's patches is not declared consistently: "

@@ -80,6 +80,26 @@ def marks(obj: Any) -> list[str]:
     return [m for m in (mark_of(o) for o in wrapper_chain(obj)) if m is not None]
 
 
+def argument(params: tuple[str, ...], name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+             default: Any = None) -> Any:
+    """The value of parameter ``name`` in a wrapped call ``(args, kwargs)`` of a function whose
+    parameters are ``params`` in order (keyword first, then position; ``default`` when not passed)."""
+    if name in kwargs:
+        return kwargs[name]
+    position = params.index(name)
+    return args[position] if len(args) > position else default
+
+
+def with_argument(params: tuple[str, ...], name: str, value: Any, args: tuple[Any, ...],
+                  kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``(args, kwargs)`` with parameter ``name`` set to ``value`` where the call passed it (by keyword
+    when it passed it so, or not at all); the caller's tuple and dict are not changed."""
+    position = params.index(name)
+    if name in kwargs or len(args) <= position:
+        return args, {**kwargs, name: value}
+    return args[:position] + (value,) + args[position + 1:], kwargs
+
+
 @dataclass
 class Installed:
     """A replaced attribute: ``owner.name`` was ``original`` and is now ``replacement``."""

@@ -30,6 +30,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from vllm_overlay.mechanisms import wrap
 from vllm_overlay.report import LOG, STATE
 from vllm_overlay.spec import PatchSpec, Proof, Support, Target
 
@@ -100,9 +101,7 @@ def _lengths(meta: Any) -> tuple[list[int], list[int]] | None:
 
 
 def _prefill_attention(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    position = _ARGS.index("attn_metadata")
-    meta = kwargs["attn_metadata"] if "attn_metadata" in kwargs else (
-        args[position] if len(args) > position else None)
+    meta = wrap.argument(_ARGS, "attn_metadata", args, kwargs)
     if meta is None or meta.max_query_len != meta.max_seq_len:
         return wrapped(*args, **kwargs)  # vLLM's own decision is already the loop
     lengths = _lengths(meta)
@@ -119,10 +118,7 @@ def _prefill_attention(wrapped: Any, instance: Any, args: tuple[Any, ...], kwarg
                "in tq_prefill_fast_path_avoided from here on)")
         LOG.info(msg)
         STATE.event(msg)
-    if "attn_metadata" in kwargs:
-        kwargs = {**kwargs, "attn_metadata": safe}
-    else:
-        args = args[:position] + (safe,) + args[position + 1:]
+    args, kwargs = wrap.with_argument(_ARGS, "attn_metadata", safe, args, kwargs)
     return wrapped(*args, **kwargs)
 
 

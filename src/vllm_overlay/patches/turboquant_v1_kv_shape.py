@@ -29,6 +29,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from vllm_overlay.mechanisms import wrap
 from vllm_overlay.report import LOG, STATE
 from vllm_overlay.spec import PatchSpec, Proof, Support, Target
 
@@ -118,20 +119,12 @@ def substitute(passed: Any, configured: str | None) -> str | None:
 
 
 def _kv_cache_shape(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    position = _SHAPE_ARGS.index("cache_dtype_str")
-    if "cache_dtype_str" in kwargs:
-        passed = kwargs["cache_dtype_str"]
-    elif len(args) > position:
-        passed = args[position]
-    else:
-        passed = None  # vLLM's default ("turboquant_4bit_nc"): never what V1's reshape sends
+    # not passed: vLLM's default ("turboquant_4bit_nc"), never what V1's reshape sends
+    passed = wrap.argument(_SHAPE_ARGS, "cache_dtype_str", args, kwargs)
     new = substitute(passed, getattr(_SCOPE, "dtype", None))
     if new is None:
         return wrapped(*args, **kwargs)
-    if "cache_dtype_str" in kwargs or len(args) <= position:
-        kwargs = {**kwargs, "cache_dtype_str": new}
-    else:
-        args = args[:position] + (new,) + args[position + 1:]
+    args, kwargs = wrap.with_argument(_SHAPE_ARGS, "cache_dtype_str", new, args, kwargs)
     STATE.count("tq_v1_kv_shape_fixed")
     if not _FIRST.is_set():
         _FIRST.set()

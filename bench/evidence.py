@@ -80,7 +80,10 @@ def from_processes(procs: list[dict[str, Any]]) -> dict[str, Any]:
         applied = {pid for s in statuses for pid, st in s.items() if st == "applied"}
         failed = {pid for s in statuses for pid, st in s.items() if st == "failed"}
         if any("counters" in p for p in procs):  # a patch whose spec names counters must have moved one
-            quiet = {pid for pid in applied if not acted(pid, procs)}
+            from vllm_overlay import matrix
+
+            specs = {s.id: s for s in matrix.specs()}
+            quiet = {pid for pid in applied if not acted(specs.get(pid), procs)}
             if quiet:
                 out["applied_quiet"] = sorted(quiet)
             applied -= quiet
@@ -88,12 +91,10 @@ def from_processes(procs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def acted(patch: str, procs: list[dict[str, Any]]) -> bool:
-    """Whether the processes' counters show ``patch`` acted: one of its spec's ``shown_by`` counters
-    above 0 (a patch without such counters: applied is all a result can show)."""
-    from vllm_overlay import matrix
-
-    spec = next((s for s in matrix.specs() if s.id == patch), None)
+def acted(spec: Any, procs: list[dict[str, Any]]) -> bool:
+    """Whether the processes' counters show the patch of ``spec`` (None: an id no spec has) acted: one
+    of its ``shown_by`` counters above 0 (a patch without such counters: applied is all a result can
+    show)."""
     need = spec.shown_by if spec is not None else ()
     return not need or any((p.get("counters") or {}).get(c) for p in procs for c in need)
 

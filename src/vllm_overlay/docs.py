@@ -266,6 +266,19 @@ def _hand_problems(name: str, text: str) -> list[str]:
     return out
 
 
+def _render(path: str, rel: str, sections: tuple[str, ...], want: dict[str, str], problems: list[str]) -> bool:
+    """The file at ``path`` with ``sections`` rendered anew into ``want[rel]``; False (the reason in
+    ``problems``) when its markers are missing."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        want[rel] = update(text, sections, rel)
+    except KeyError as exc:
+        problems.append(str(exc.args[0]))
+        return False
+    return True
+
+
 def expected(root: str) -> tuple[dict[str, str], list[str]]:
     """What every generated file should hold (relative path -> text), and the problems no rewrite
     fixes (missing markers, a page for an unknown patch id, a hand-written section missing or empty)."""
@@ -276,12 +289,7 @@ def expected(root: str) -> tuple[dict[str, str], list[str]]:
         if not os.path.exists(path):
             problems.append(f"{rel}: missing")
             continue
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-        try:
-            want[rel] = update(text, sections, rel)
-        except KeyError as exc:
-            problems.append(str(exc.args[0]))
+        _render(path, rel, sections, want, problems)
     ids = [s.id for s in matrix.specs()]
     folder = os.path.join(root, PATCH_DIR)
     present = sorted(f[:-3] for f in os.listdir(folder) if f.endswith(".md")) if os.path.isdir(folder) else []
@@ -293,14 +301,8 @@ def expected(root: str) -> tuple[dict[str, str], list[str]]:
         if spec.id not in present:
             want[rel] = patch_skeleton(spec)
             continue
-        with open(os.path.join(root, rel), encoding="utf-8") as f:
-            text = f.read()
-        try:
-            want[rel] = update(text, (f"patch {spec.id}",), rel)
-        except KeyError as exc:
-            problems.append(str(exc.args[0]))
-            continue
-        problems += _hand_problems(rel, want[rel])
+        if _render(os.path.join(root, rel), rel, (f"patch {spec.id}",), want, problems):
+            problems += _hand_problems(rel, want[rel])
     return want, problems
 
 

@@ -23,7 +23,7 @@ class Watch:
     """The meter's peak from the moment the real KV cache exists (CUDA graph capture, warm-up and
     every step after it included), against the budget the correction left: vLLM's reserved peak
     plus what was moved out of the KV cache (nothing in a dry run). Read every WATCH_EVERY_S by a
-    daemon thread (allocator statistics only: no device call, no per-step cost); the peak is never
+    daemon thread (allocator statistics only: no CUDA call, no per-step cost); the peak is never
     reset unless a harness writes VLLM_OVERLAY_REPORT_DIR/memory-window.json ({"seq": N, "name":
     "..."}, a new seq each time): then the window open until then is closed with its own peak, the
     peak statistic is reset and a window of that name opens (the harness waits until the report

@@ -17,6 +17,8 @@
   python3 bench/stack.py series v2-bf16               # Model Runner V2: stress, logprobs, forced guard, stock
   python3 bench/stack.py series tqspec                # TurboQuant + MTP, the overlay's verify path off / on
   python3 bench/stack.py series memory                # memory under traffic: cap vs memory-headroom vs vLLM
+  python3 bench/stack.py series release               # one release's stack: TurboQuant + MTP stress and verify
+                                                      # logprobs, AWQ weights, forced guard, bf16 decode vs stock
   python3 bench/stack.py stop LABEL                   # ends the server, then `collect`
   python3 bench/stack.py collect LABEL                # copies log tail, reports, results into $OUT/LABEL
   python3 bench/stack.py merge RESULT.json NAME=DIR|NAME=LABEL.json|NAME='COPIES/*/LABEL.json' ...
@@ -1182,7 +1184,17 @@ def tqspec_role(run: dict[str, Any]) -> str | None:
         return None
     disabled = TQSPEC_PATCH in (run.get("overlay_env") or {}).get("VLLM_OVERLAY_DISABLE", "").split(",")
     role = "off" if args.get("mtp") and disabled else "on" if args.get("mtp") else "reference"
-    return role + (" V2" if runner_env(run) == "1" else "")
+    return role + (" V2" if run_runner(run) == "V2" else "")
+
+
+def run_runner(run: dict[str, Any]) -> str:
+    """The model runner a run asked for: VLLM_USE_V2_MODEL_RUNNER when the server had it, else the one its
+    workers built (vLLM's default: V2 for every model from 0.29.0), else V1."""
+    env = runner_env(run)
+    if env is not None:
+        return "V2" if env == "1" else "V1"
+    built = (run.get("runner_evidence") or {}).get("built") or []
+    return "V2" if built == ["V2"] else "V1"
 
 
 def tqspec_problems(run: dict[str, Any], role: str) -> list[str]:
@@ -1258,7 +1270,7 @@ def tqspec_verdict(runs: dict[str, dict[str, Any]], pairs: dict[str, Any]) -> li
     for name, r in runs.items():  # stock vLLM with TurboQuant: does it boot on the runner asked for?
         if r.get("config") != "stock":
             continue
-        runner = "V2" if runner_env(r) == "1" else "V1"
+        runner = run_runner(r)
         if r.get("healthy_after_s") is None:
             errors = r.get("first_error_lines") or []
             raised = [x for x in errors if re.search(r"\b\w+(Error|Exception): ", x)]
@@ -1385,6 +1397,74 @@ SERIES["memory"] = {
               ("bf16-8k-vllm", "--kv auto --mnbt 8192 "
                                "--overlay-env 'GENESIS_PROFILE_RUN_CAP_M=0 VLLM_OVERLAY_MEMORY_HEADROOM_DRY_RUN=1'")],
 }
+# release: the bug report's stack on one release, Model Runner as the release chooses it (no
+# VLLM_USE_V2_MODEL_RUNNER: V2 for every model from 0.29.0), on the 35B geometry's first 8 layers.
+# TurboQuant k8v4 + MTP 3 with the overlay (logprobs, then the band stress), the same without MTP and with
+# the overlay's verify path off (the tqspec verdict); the same geometry as AWQ 4-bit weights (dummy weights,
+# vLLM's AWQ / Marlin MoE path) with TurboQuant + MTP (band stress); bf16 KV without MTP, overlay and stock
+# vLLM, decode steps of 1 and 16 streams (each run alone on its GPU: no other server of the series boots or
+# serves traffic meanwhile); the forced 4096-row buffer (expected: the overlay's CapacityError).
+# max_num_seqs 512: a KV cache of 2.5 GiB then holds enough Mamba blocks (vLLM wants one per sequence), so
+# seven servers fit one H200 side by side (--fixed-kv 2684354560).
+RELEASE_TQ_LABELS = ("tq-nomtp", "tq-mtp-on", "tq-mtp-off")
+
+
+def release_verdict(runs: dict[str, dict[str, Any]], pairs: dict[str, Any]) -> list[str]:
+    """tqspec's lines over the TurboQuant runs of the slice, then one line per other question of the series:
+    each band stress, the forced guard, and decode overlay vs stock (medians of the reps, one boot each)."""
+    out = tqspec_verdict({n: r for n, r in runs.items() if n in RELEASE_TQ_LABELS}, pairs)
+    for name, r in runs.items():
+        mark = r.get("series") or {}
+        runner = "/".join((r.get("runner_evidence") or {}).get("built") or []) or "unknown runner"
+        weights = "AWQ 4-bit" if "awq" in str((r.get("vllm_args") or {}).get("model")) else "bf16"
+        if r.get("healthy_after_s") is None and name != "forced-guard":
+            out.append(f"{name} ({weights} weights, {runner}): never served: {r.get('failure_class') or '-'}; "
+                       + "; ".join((r.get("first_error_lines") or [])[:2]))
+            continue
+        sv = r.get("stress")
+        if sv and name != "forced-guard":
+            ev = r.get("runner_evidence") or {}
+            out.append(f"{name} ({weights} weights, {runner}): band stress {sv.get('verdict')}: {sv.get('band_forwards')} "
+                       f"forwards in {sv.get('band')}, requests ok / failed {sv.get('requests_ok')} / "
+                       f"{sv.get('requests_failed')}, largest forward {sv.get('max_forward')}, guard checks / trips "
+                       f"{ev.get('guard_checks')} / {ev.get('guard_trips')}, telemetry from the workers: "
+                       f"{'yes' if ev.get('telemetry_fired') else 'NO'}")
+        if name == "forced-guard":
+            out.append(f"forced-guard ({runner}): " + (mark.get("expected") or ("FAILED: " + mark["failed"] if
+                                                       mark.get("failed") else "not finished")))
+    ov, st = runs.get("bf16-overlay", {}).get("steps"), runs.get("bf16-stock", {}).get("steps")
+    if ov and st:
+        for key in ov.get("points", {}):
+            a, b = ov["points"][key].get("step_ms"), (st.get("points", {}).get(key) or {}).get("step_ms")
+            if not (a and b and a.get("median") and b.get("median")):
+                out.append(f"decode {key} (bf16 KV): not measured on both")
+                continue
+            out.append(f"decode {key} (bf16 KV, no MTP): overlay {a['median']:.3f} ms ({a.get('min')}-{a.get('max')}, "
+                       f"n={a.get('n')}), stock {b['median']:.3f} ms ({b.get('min')}-{b.get('max')}, n={b.get('n')}): "
+                       f"stock / overlay {b['median'] / a['median']:.3f}")
+    return out
+
+
+SERIES["release"] = {
+    "boot": "--config overlay --model qwen36-35b-a3b-slice8 --kv turboquant_k8v4 --max-capture 128 "
+            "--max-num-seqs 512",
+    "logprobs": SERIES["tqspec"]["logprobs"],
+    "stress": "--min-band 200 --duration 240",
+    "guard_stress": "--min-band 20 --duration 90",
+    "steps": "--streams 1,16 --contexts 2048 --tokens 64 --reps 3",
+    "steps_alone": True,
+    "fallbacks": ("headroom",),
+    "compare": (("tq-mtp-off", "tq-nomtp", "lp"), ("tq-mtp-on", "tq-nomtp", "lp")),
+    "verdict": release_verdict,
+    "items": [("tq-nomtp", "--mtp 0", ("logprobs",)),
+              ("tq-mtp-on", "--mtp 3", ("logprobs", "stress")),
+              ("tq-mtp-off", f"--mtp 3 --overlay-env VLLM_OVERLAY_DISABLE={TQSPEC_PATCH}", ("logprobs",)),
+              ("awq-tq-mtp", "--model qwen36-35b-a3b-slice8-awq --mtp 3", ("stress",)),
+              ("bf16-overlay", "--kv auto --mtp 0", ("steps",)),
+              ("bf16-stock", "--config stock --kv auto --mtp 0", ("steps",)),
+              # a fixed KV cache: side by side it boots beside busy servers, and it stops before its KV cache matters
+              ("forced-guard", "--config forced-guard --kv auto --mtp 0 --kv-bytes 2684354560", ("guard",))],
+}
 PHASES = ("steps", "stress", "logprobs", "guard", "memory")
 REFUSED: dict[str, str] = {}  # labels whose boot never started, this process
 ABORTED: dict[str, str] = {}  # labels that built another model runner than the series expects
@@ -1462,6 +1542,56 @@ def stagger_gate(prev: str, stagger: float, t_end: float) -> bool:
     return False
 
 
+class GpuQuiet:
+    """Speed measurements of a series run alone on their GPU: ``alone`` waits until no other server of the
+    series on that GPU boots or serves traffic, and boots and traffic there wait while it measures. The
+    waits end at the series' deadline (False: the next run goes on)."""
+
+    def __init__(self) -> None:
+        self.cv = threading.Condition()
+        self.busy: dict[str, str | None] = {}  # label -> its GPU, while it boots or serves traffic
+        self.alone_on: dict[str | None, str] = {}  # GPU -> the label measuring alone there
+
+    def start(self, label: str, gpu: str | None, t_end: float) -> bool:
+        with self.cv:
+            ok = self.cv.wait_for(lambda: self.alone_on.get(gpu, label) == label, timeout=self.timeout(t_end))
+            if ok:
+                self.busy[label] = gpu
+            return ok
+
+    @staticmethod
+    def timeout(t_end: float) -> float | None:
+        return None if t_end == float("inf") else max(0.0, t_end - time.time() - 5)
+
+    def end(self, label: str) -> None:
+        with self.cv:
+            self.busy.pop(label, None)
+            self.cv.notify_all()
+
+    def alone(self, label: str, gpu: str | None, t_end: float) -> bool:
+        def free() -> bool:
+            return gpu not in self.alone_on and not any(g == gpu and x != label for x, g in self.busy.items())
+
+        with self.cv:
+            if not free():
+                say(f"series: {label}: waiting until no other server on GPU {gpu or 'as visible'} boots or serves "
+                    f"traffic ({', '.join(sorted(x for x, g in self.busy.items() if g == gpu and x != label)) or '-'}"
+                    f"{'; ' + self.alone_on[gpu] + ' measures' if gpu in self.alone_on else ''})")
+            ok = self.cv.wait_for(free, timeout=self.timeout(t_end))
+            if ok:
+                self.alone_on[gpu] = label
+            return ok
+
+    def end_alone(self, label: str, gpu: str | None) -> None:
+        with self.cv:
+            if self.alone_on.get(gpu) == label:
+                del self.alone_on[gpu]
+            self.cv.notify_all()
+
+
+QUIET = GpuQuiet()
+
+
 def run_series_queue(name: str, items: list[tuple[str, list[str], tuple[str, ...]]], gpu: str | None,
                      t_end: float, opts: dict[str, Any], after: str | None = None) -> None:
     """Each label in turn on one GPU: boot, wait, what its item asks for (steps resumed by the next run
@@ -1483,8 +1613,11 @@ def run_series_queue(name: str, items: list[tuple[str, list[str], tuple[str, ...
             if st is None:
                 if index == 0 and after is not None and not stagger_gate(after, opts["stagger"], t_end):
                     return
+                if not QUIET.start(label, gpu, t_end):
+                    return
                 dispatch(["boot", label, *boot_args, *(["--gpu", gpu] if gpu is not None else []), "--wait", "0"])
                 if series_state(label) is None:
+                    QUIET.end(label)
                     REFUSED[label] = "boot refused its arguments (see above)"
                     break  # nothing to resume: the next label
                 series_mark(label, series=name)
@@ -1492,6 +1625,7 @@ def run_series_queue(name: str, items: list[tuple[str, list[str], tuple[str, ...
             rc = wait(label, left - 5)
             if rc == 2:
                 return  # still booting: the next run waits on
+            QUIET.end(label)  # booted or died
             booted = load_state(label).get("healthy_after_s") is not None
             if "runner" not in mark:  # the first time it serves or has died: which model runner it built
                 ev = runner_evidence(sdir(label), serve_log(label))
@@ -1533,6 +1667,8 @@ def run_series_queue(name: str, items: list[tuple[str, list[str], tuple[str, ...
                     args, why = fallback
                     put_aside(label, "failed-boot")
                     say(f"series: {label}: boot failed {why}; booting again {why.replace('with ', 'without ', 1)}")
+                    if not QUIET.start(label, gpu, t_end):
+                        return
                     dispatch(["boot", label, *args, *(["--gpu", gpu] if gpu is not None else []), "--wait", "0"])
                     if series_state(label) is not None:
                         series_mark(label, series=name, retry=why.replace("with ", "without ", 1))
@@ -1541,7 +1677,10 @@ def run_series_queue(name: str, items: list[tuple[str, list[str], tuple[str, ...
                 if t_end - time.time() < opts["guard_stress_s"] + SERIES_STRESS_EXTRA_S:
                     return
                 say(f"series: {label}: it serves; band traffic next, which the forced buffer cannot hold")
+                if not QUIET.start(label, gpu, t_end):
+                    return
                 series_mark(label, guard_stress_rc=dispatch(["stress", label, *opts["guard_stress"]]))
+                QUIET.end(label)
                 continue
             steps_left = mark.get("steps_rc") != 0 and mark.get("steps_attempts", 0) < SERIES_STEPS_ATTEMPTS
             if "steps" in phases and steps_left:
@@ -1549,7 +1688,17 @@ def run_series_queue(name: str, items: list[tuple[str, list[str], tuple[str, ...
                 # a warm-up round is not cut by the budget and may compile kernels for minutes
                 if budget < (SERIES_ROUND_S if st.get("warm_streams") else SERIES_WARMUP_S):
                     return
-                rc = dispatch(["steps", label, *opts["steps"], *budget_args(budget)])
+                if opts.get("steps_alone"):
+                    if not QUIET.alone(label, gpu, t_end):
+                        return
+                    budget = t_end - time.time() - SERIES_RESERVE_S
+                    if budget < (SERIES_ROUND_S if st.get("warm_streams") else SERIES_WARMUP_S):
+                        QUIET.end_alone(label, gpu)
+                        return
+                try:
+                    rc = dispatch(["steps", label, *opts["steps"], *budget_args(budget)])
+                finally:
+                    QUIET.end_alone(label, gpu)
                 # steps cut short by the budget (3) is no attempt; done (0) or with failed points (4) is
                 series_mark(label, steps_rc=rc, steps_attempts=mark.get("steps_attempts", 0) + (rc != 3))
                 if rc not in (0, 3, 4):
@@ -1564,7 +1713,10 @@ def run_series_queue(name: str, items: list[tuple[str, list[str], tuple[str, ...
                 budget = t_end - time.time() - SERIES_RESERVE_S
                 if budget < opts["memory_least_s"]:
                     return
+                if not QUIET.start(label, gpu, t_end):
+                    return
                 rc = dispatch(["memory", label, *opts["memory"], *budget_args(budget)])
+                QUIET.end(label)
                 # cut short by the budget (3): the phases measured are kept and the next run goes on
                 series_mark(label, memory_rc=rc)
                 if rc not in (0, 3):
@@ -1581,7 +1733,10 @@ def run_series_queue(name: str, items: list[tuple[str, list[str], tuple[str, ...
             if "stress" in phases and "stress_rc" not in mark and not logprobs_first:
                 if t_end - time.time() < opts["stress_s"] + SERIES_STRESS_EXTRA_S:
                     return  # a stress is not resumable: it starts only with room for all of it
+                if not QUIET.start(label, gpu, t_end):
+                    return
                 rc = dispatch(["stress", label, *opts["stress"]])
+                QUIET.end(label)
                 series_mark(label, stress_rc=rc, stress=stress_verdict(label))
                 if not alive(load_state(label)["pid"]):
                     series_mark(label, failed=f"the server died during the stress (exit {rc})")
@@ -1590,7 +1745,10 @@ def run_series_queue(name: str, items: list[tuple[str, list[str], tuple[str, ...
             if "logprobs" in phases and opts["logprobs"] is not None and "logprobs_rc" not in mark:
                 if t_end - time.time() < 30:
                     return
+                if not QUIET.start(label, gpu, t_end):
+                    return
                 series_mark(label, logprobs_rc=dispatch(["logprobs", label, *opts["logprobs"]]))
+                QUIET.end(label)
                 continue
             if t_end - time.time() < 20:
                 return
@@ -1749,7 +1907,7 @@ def cmd_series(a: argparse.Namespace) -> int:
         "guard_stress": args_of("guard_stress", a.guard_stress),
         "logprobs": None if a.no_logprobs else args_of("logprobs", a.logprobs),
         "fallbacks": tuple(spec.get("fallbacks", ("headroom", "max-capture"))), "expect_runner": expect,
-        "stagger": a.stagger}
+        "stagger": a.stagger, "steps_alone": bool(spec.get("steps_alone"))}
     for key in ("stress", "guard_stress"):  # how long a stress may take: whether it starts before the deadline
         opts[f"{key}_s"] = build_parser().parse_args(["stress", "x", *(opts[key] or [])]).duration
     wanted = {p for label in labels for p in by_label[label][1]}

@@ -310,6 +310,37 @@ def test_servers_side_by_side_start_after_the_first_sized_its_kv_cache(state, mo
     assert "series: waiting for tq-mtp-on" in capsys.readouterr().out
 
 
+def test_speed_steps_run_alone_on_their_gpu(state, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Series release, two servers on GPU 0: bf16-overlay's decode steps start only once tq-mtp-on's logprobs
+    and stress (traffic on the same GPU) are over, and no traffic starts while they measure."""
+    servers, spans = [], {}
+
+    def fake_dispatch(argv: list[str]) -> int:
+        if argv[0] == "boot":
+            servers.append(subprocess.Popen(["sleep", "120"], start_new_session=True))
+            served(argv[1], servers[-1].pid, vllm_args={"kv_cache_memory_bytes": 1})
+        elif argv[0] in ("logprobs", "stress", "steps"):
+            t0 = time.time()
+            time.sleep(0.4)
+            spans[(argv[1], argv[0])] = (t0, time.time())
+        return 0
+
+    monkeypatch.setattr(stack, "dispatch", fake_dispatch)
+    monkeypatch.setattr(stack, "QUIET", stack.GpuQuiet())
+    monkeypatch.setattr(stack, "SERIES_WARMUP_S", 0)
+    try:
+        assert stack.main(["series", "release", "--labels", "tq-mtp-on,bf16-overlay", "--gpus", "0,0",
+                           "--stagger", "0", "--stress", "--duration 1", "--deadline", "300"]) == 0
+    finally:
+        for s in servers:
+            s.kill()
+            s.wait()
+    steps = spans[("bf16-overlay", "steps")]
+    assert all(steps[0] >= end or start >= steps[1] for (label, _), (start, end) in spans.items()
+               if label != "bf16-overlay"), spans
+    assert steps[0] >= spans[("tq-mtp-on", "stress")][1]
+
+
 def test_series_stops_when_a_worker_built_another_runner(state, capsys) -> None:  # type: ignore[no-untyped-def]
     server = subprocess.Popen(["sleep", "600"], start_new_session=True)
     report = {"pid": 5, "tp_rank": 0, "runner": {"kind": "V1", "class": "GPUModelRunner"}}

@@ -34,8 +34,7 @@ ENGINE_PROOFS = os.path.join(ROOT, "tests", "engine_proofs.json")
 
 
 def applies(spec: Any, version: str, platform: str) -> bool:
-    row = spec.support_for(version)
-    return row is not None and row.status == "applies" and platform in spec.platforms
+    return bool(spec.applies_on(version)) and platform in spec.platforms
 
 
 def build(runs: list[dict[str, Any]], proofs: dict[str, Any]) -> dict[str, Any]:

@@ -263,7 +263,7 @@ def test_backend_is_what_the_wrappers_expect(version: str, store_hashes: dict[st
 
     srcs = _sources(version)
     src = srcs[ATTN]
-    assert tsd.SPEC.support_for(version).status == "applies"
+    assert tsd.SPEC.applies_on(version)
     # the bug: verify batches are prefills of a backend with full graphs for uniform batches
     assert "self._init_reorder_batch_threshold(1, supports_spec_as_decode=False)" in src
     assert "is_prefill=(cam.max_query_len > 1)," in src

@@ -28,8 +28,8 @@ def test_the_registry_declares_every_shared_function_in_install_order() -> None:
 @pytest.mark.parametrize("module", _runner.RUNNER_MODULES)
 def test_profile_run_cap_is_outermost_on_dummy_run(module: str) -> None:
     cap = next(s for s in core.specs() if s.id == "profile-run-cap")
-    assert cap.applies_on()
-    for v in cap.applies_on():
+    assert cap.releases()
+    for v in cap.releases():
         order = wrap_order(core.specs(), f"{module}:{DUMMY_RUN}", v)
         assert order == ["forward-telemetry", "gdn-output-prealloc", "profile-run-cap"], (v, order)
 
@@ -122,33 +122,3 @@ def test_hooks_are_declared_in_the_spec(monkeypatch) -> None:  # type: ignore[no
                                          "on_revert"):
         PatchSpec(**{**{f.name: getattr(mod.SPEC, f.name) for f in dataclasses.fields(PatchSpec)},
                      "hooks": ("undo",)})
-
-
-def test_version_facts_agree_with_the_release_list() -> None:
-    """versions.RELEASES is the one list of releases: every spec's support rows cover it exactly once,
-    its target ranges and recorded rewrites stay within the releases it applies on, and a rewritten
-    target has a rewrite for each of them (spec.version_problems; core.registry refuses otherwise)."""
-    import dataclasses
-
-    from vllm_overlay import core
-    from vllm_overlay.patches import turboquant_v1_kv_shape as kvs
-    from vllm_overlay.spec import Support, Target, version_problems
-
-    assert [p for spec, _ in core.registry() for p in version_problems(spec)] == []
-    rows = kvs.SPEC.support
-    gap = dataclasses.replace(kvs.SPEC, support=rows[:1] + rows[2:])
-    assert version_problems(gap)[0] == ("turboquant-v1-kv-shape: no support row covers 0.25.0, 0.25.1, 0.26.0 "
-                                        "(add a row, e.g. 'unsupported')")
-    overlap = dataclasses.replace(kvs.SPEC, support=rows + (Support("==0.26.0", "unsupported", "x"),))
-    assert "covers 0.26.0, already covered by support[1]" in version_problems(overlap)[0]
-    dead = dataclasses.replace(kvs.SPEC, support=rows + (Support("==0.21.0", "unsupported", "x"),))
-    assert version_problems(dead) == ["turboquant-v1-kv-shape: support[4] vllm='==0.21.0' matches no release "
-                                      "of versions.RELEASES"]
-    wider = dataclasses.replace(kvs.SPEC.targets[0], vllm=">=0.24.0,<=0.26.0")
-    wide = dataclasses.replace(kvs.SPEC, targets=(wider, kvs.SPEC.targets[1]))
-    assert version_problems(wide) == [
-        f"turboquant-v1-kv-shape: target {kvs.SPEC.targets[0]} vllm='>=0.24.0,<=0.26.0' reaches 0.24.0, where the "
-        "patch does not apply"]
-    none = dataclasses.replace(kvs.SPEC, targets=(Target(kvs.RUNNER_MODULE, kvs.RESHAPE, vllm="==0.33.0",
-                                                         wrapper="_reshape"),))
-    assert "matches no release the patch applies on" in version_problems(none)[0]

@@ -98,17 +98,16 @@ _order_checked: list[tuple[PatchSpec, ...]] = [()]  # the specs last found in or
 
 def _check_specs(all_specs: tuple[PatchSpec, ...]) -> None:
     """Once per set of spec objects: every spec's version facts agree with versions.RELEASES
-    (spec.version_problems), the registry's install order agrees with every spec's ``wraps_outside``,
-    and every function two patches change has an order declared (spec.wrap_order_problems); else an
-    OverlayError."""
+    (spec.version_problems: each problem of every spec, one line each), the registry's install order
+    agrees with every spec's ``wraps_outside``, and every function two patches change has an order
+    declared (spec.wrap_order_problems); else an OverlayError."""
     last = _order_checked[0]
     if len(last) == len(all_specs) and all(a is b for a, b in zip(last, all_specs)):
         return
-    for spec in all_specs:
-        problems = version_problems(spec)
-        if problems:
-            raise OverlayError(f"patch {spec.id!r}: its version facts disagree with versions.RELEASES: "
-                               + "; ".join(problems))
+    problems = [p for spec in all_specs for p in version_problems(spec)]
+    if problems:
+        raise OverlayError("the patches' version facts disagree with versions.RELEASES (the one list of "
+                           "releases) or with each other: " + "; ".join(problems))
     problems = wrap_order_problems(all_specs)
     if problems:
         raise OverlayError("the wrap order of the registry's patches is not declared consistently: "
@@ -197,7 +196,7 @@ def decide(
             out[spec.id] = Decision(
                 spec, "not-needed", f"platform {inst.platform}: the patch concerns {', '.join(spec.platforms)} only"
             )
-        elif row is None or row.status == "unsupported":
+        elif not spec.applies_on(inst.version):  # unsupported there
             why_not = row.reason if row else "no support row covers it"
             out[spec.id] = Decision(spec, "skipped", f"unsupported on vLLM {inst.version}: {why_not}")
         elif not spec.modules(inst.version, inst.platform):

@@ -39,7 +39,7 @@ def patches_table() -> str:
             "|---|---|---|---|---|---|---|"]
     for s in matrix.specs():
         default = s.default_text()
-        merged = [v for v in versions.RELEASES if (r := s.support_for(v)) and r.status == "upstream-merged"]
+        merged = s.releases("upstream-merged")
         rows.append(f"| [`{s.id}`]({PATCH_DIR}/{s.id}.md) | {default} | {', '.join(s.platforms)} | {s.mechanism} | "
                     f"{s.vllm} | {versions.compact(merged) or '-'} | {s.title} |")
     return "\n".join(rows) + "\n"
@@ -57,7 +57,7 @@ def _short(spec: object, version: str, runner: str, platform: str) -> str:
     if c.level != "unsupported":
         return LEVEL_SHORT[c.level]
     row = spec.support_for(version)  # type: ignore[attr-defined]
-    return matrix.SHORT.get(row.status, "-") if row and row.status != "applies" else "-"
+    return matrix.SHORT.get(row.status, "-") if row and not spec.applies_on(version) else "-"  # type: ignore[attr-defined]
 
 
 def levels_table() -> str:
@@ -165,7 +165,7 @@ def _levels_rows(spec: PatchSpec) -> list[str]:
 
 def patch_page(spec: PatchSpec) -> str:
     """The generated block of docs/patches/ID.md: the spec's facts, its support rows, its levels."""
-    merged = [v for v in versions.RELEASES if (r := spec.support_for(v)) and r.status == "upstream-merged"]
+    merged = spec.releases("upstream-merged")
     facts = [("id", f"`{spec.id}`"), ("default", spec.default_text()), ("platforms", ", ".join(spec.platforms)),
              ("mechanism", spec.mechanism), ("applies on", spec.vllm),
              ("upstream-merged on", versions.compact(merged) or "-"),

@@ -76,8 +76,8 @@ def evidence_text(item: Mapping[str, Any]) -> str:
 
 def cell(spec: PatchSpec, version: str, runner: str, platform: str, path: str = DATA) -> CellLevel:
     """The level of ``spec`` on one cell."""
-    row = spec.support_for(version)
-    if row is None or row.status != "applies":
+    if not spec.applies_on(version):
+        row = spec.support_for(version)
         status = row.status if row else "not in the support matrix"
         return CellLevel(spec.id, version, runner, platform, "unsupported", (), f"vLLM {version}: {status}")
     if platform not in spec.platforms:

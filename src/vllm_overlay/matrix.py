@@ -6,8 +6,11 @@ sources (a wheel or the installed vLLM), without importing vLLM:
   has the parameters its wrapper reads;
 - every rewrite target has a rewrite recorded for the release, whose pristine hash matches and
   whose anchors occur exactly once;
-- the support row's proofs hold (text present or absent in a file), and no rewrite is recorded
-  for a release where the patch does not apply.
+- the support row's proofs hold (text present or absent in a file).
+
+What the specs' data alone must satisfy (support rows covering every release once, target ranges,
+the releases rewrites are recorded for) is ``spec.version_problems``, checked when the registry
+loads, before any sweep.
 
 ``propose`` computes what a maintainer adds to the specs for a release not in the matrix yet.
 """
@@ -53,7 +56,7 @@ def cells(version: str) -> list[Cell]:
 class Check:
     version: str
     patch_id: str
-    what: str  # "target", "rewrite", "proof", "data"
+    what: str  # "target", "rewrite", "proof"
     subject: str
     ok: bool
     detail: str
@@ -100,32 +103,10 @@ def _check_rewrite(version: str, spec: PatchSpec, rw: Rewrite, read: Reader) -> 
                  + (f"; no {rw.gone[0]!r} left" if rw.gone else ""))
 
 
-def data_checks(spec: PatchSpec, version: str) -> list[Check]:
-    """What the spec's data alone must satisfy for ``version`` (no sources needed)."""
-    out = []
-    row = spec.support_for(version)
-    recorded = spec.rewrites_for(version)
-    if row is None:
-        return [Check(version, spec.id, "data", "support", False, "no support row covers this release")]
-    if row.status != "applies" and recorded:
-        out.append(Check(version, spec.id, "data", "rewrites", False,
-                         f"{len(recorded)} rewrite(s) recorded for a release where it is {row.status}"))
-    if row.status == "applies":
-        have = {(rw.target.module, rw.target.qualname) for rw in recorded}
-        for t in spec.targets:
-            if t.wrapper is None and t.applies_to(version) and (t.module, t.qualname) not in have:
-                out.append(Check(version, spec.id, "data", str(t), False,
-                                 "rewrite target without a rewrite recorded for this release"))
-        if not spec.modules(version):
-            out.append(Check(version, spec.id, "data", "targets", False, "applies, but nothing to install"))
-    return out
-
-
 def sweep(version: str, read: Reader) -> list[Check]:
     """Every check of every patch for ``version`` against its sources (``read``)."""
     out: list[Check] = []
-    for spec in specs():
-        out.extend(data_checks(spec, version))
+    for spec in specs():  # their version facts were checked when the registry loaded (spec.version_problems)
         row = spec.support_for(version)
         if row is None:
             continue
@@ -139,7 +120,7 @@ def sweep(version: str, read: Reader) -> list[Check]:
             word = "contains" if proof.present else "does not contain"
             out.append(Check(version, spec.id, "proof", f"vllm/{proof.path}", ok,
                              f"{'' if ok else 'expected: '}{word} {proof.text!r}"))
-        if row.status != "applies":
+        if not spec.applies_on(version):
             continue
         for t in spec.wrap_targets(version):
             out.append(_check_target(version, spec, t, read))
@@ -152,7 +133,7 @@ def sweep(version: str, read: Reader) -> list[Check]:
 
 
 def _latest(spec: PatchSpec) -> str | None:
-    applied = spec.applies_on()
+    applied = spec.releases()
     return applied[-1] if applied else None
 
 
@@ -165,7 +146,7 @@ def propose(version: str, read: Reader) -> list[str]:
         lines.append(f"versions.RELEASES: add {version!r}")
     for spec in specs():
         latest = _latest(spec)
-        merged = [v for v in versions.RELEASES if (r := spec.support_for(v)) and r.status != "applies"]
+        merged = [v for v in versions.RELEASES if not spec.applies_on(v)]
         if latest is None or (merged and versions.RELEASES.index(merged[-1]) > versions.RELEASES.index(latest)):
             last = merged[-1] if merged else None
             row = spec.support_for(last) if last else None

@@ -1,7 +1,14 @@
 """PatchSpec: what a patch is, declared as data. The one source of what a patch wraps and rewrites
 (``mechanisms/install.py`` installs exactly this), of the vLLM releases it applies on (its
 ``support`` rows over ``versions.RELEASES``), and of the ledger (`vllm-overlay plan`) and the
-support matrix (`vllm-overlay matrix`)."""
+support matrix (`vllm-overlay matrix`).
+
+Version facts: ``versions.RELEASES`` is the only list of releases. Every other version fact is a
+range over it or must equal a selection of it: the support rows (each release in exactly one),
+``Target.vllm`` (within the releases of the 'applies' rows), the hash keys given to ``per_release``
+(exactly the releases a rewritten target's range and the 'applies' rows select). ``version_problems``
+checks them, once per set of specs when the registry loads; ``PatchSpec.applies_on(version)`` is the
+one answer to "does it apply on this release"."""
 
 from __future__ import annotations
 
@@ -76,7 +83,10 @@ class Rewrite:
 def per_release(target: Target, path: str, edits: tuple[Edit, ...], hashes: dict[str, str],
                 gone: tuple[str, ...] = ()) -> tuple[Rewrite, ...]:
     """One Rewrite per release of ``hashes`` (release -> pristine sha256), all with the same edits.
-    `vllm-overlay verify --wheel X --propose` prints the entry to add for a new release."""
+    Over all the ``per_release`` entries of one function, the keys must be exactly the releases the
+    spec's target of it (``Target.vllm``) and its 'applies' rows select, each once
+    (``version_problems``). `vllm-overlay verify --version X --propose` prints the entry to add for a
+    new release."""
     return tuple(
         Rewrite(Target(target.module, target.qualname, f"=={v}"), v, path, sha, edits, gone)
         for v, sha in hashes.items()
@@ -94,7 +104,8 @@ class Proof:
 
 @dataclass(frozen=True)
 class Support:
-    """What the patch does on the releases in ``vllm`` (first matching row wins), and why."""
+    """What the patch does on the releases in ``vllm``, and why. A spec's rows cover each release of
+    ``versions.RELEASES`` exactly once (``version_problems``)."""
 
     vllm: str  # PEP 440 specifier over versions.RELEASES
     status: str  # one of STATUSES
@@ -192,25 +203,46 @@ class PatchSpec:
         done = {m for group in self.either_modules if any(g not in pending for g in group) for m in group}
         return pending - done
 
+    def _by_release(self) -> dict[str, Support]:
+        """Each release of versions.RELEASES -> its support row (the first row that covers it), resolved
+        once per list of releases (kept on the spec; a spec is immutable)."""
+        from vllm_overlay.versions import RELEASES
+
+        cached = self.__dict__.get("_resolved")
+        if cached is None or cached[0] is not RELEASES:
+            by = {}
+            for v in RELEASES:
+                row = next((r for r in self.support if r.covers(v)), None)
+                if row is not None:
+                    by[v] = row
+            cached = (RELEASES, by)
+            object.__setattr__(self, "_resolved", cached)
+        return cached[1]
+
     def support_for(self, version: str) -> Support | None:
         """The support row of ``version``; None for a release the matrix does not cover."""
-        from vllm_overlay.versions import RELEASES
+        return self._by_release().get(version)
 
-        if version not in RELEASES:
-            return None
-        return next((row for row in self.support if row.covers(version)), None)
+    def applies_on(self, version: str) -> bool:
+        """True where the patch applies on ``version`` (its support row there says 'applies'): the one
+        answer to that question. False on a release outside versions.RELEASES."""
+        row = self.support_for(version)
+        return row is not None and row.status == "applies"
 
-    def applies_on(self) -> list[str]:
-        from vllm_overlay.versions import RELEASES
-
-        return [v for v in RELEASES if (row := self.support_for(v)) is not None and row.status == "applies"]
+    def releases(self, status: str = "applies") -> list[str]:
+        """The releases of versions.RELEASES whose support row has ``status``, in release order."""
+        if status not in STATUSES:
+            raise ValueError(f"PatchSpec.releases(status={status!r}): expected one of {', '.join(STATUSES)}")
+        if status == "applies":
+            return [v for v in self._by_release() if self.applies_on(v)]
+        return [v for v, row in self._by_release().items() if row.status == status]
 
     @property
     def vllm(self) -> str:
         """The releases it applies on, compactly (for display): '0.20.0-0.20.2, 0.22.0'."""
         from vllm_overlay.versions import compact
 
-        return compact(self.applies_on()) or "none"
+        return compact(self.releases()) or "none"
 
     def wrap_targets(self, version: str, platform: str | None = None) -> tuple[Target, ...]:
         """The wrapped targets on ``version`` (on ``platform``; every platform's when None)."""
@@ -245,7 +277,7 @@ def changed_functions(specs: Sequence[PatchSpec]) -> dict[tuple[str, str], list[
     ``specs`` order; only the functions more than one patch changes."""
     out: dict[tuple[str, str], list[str]] = {}
     for spec in specs:
-        for v in spec.applies_on():
+        for v in spec.releases():
             for where in sorted(spec.changes(v)):
                 out.setdefault((where, v), []).append(spec.id)
     return {k: ids for k, ids in out.items() if len(ids) > 1}
@@ -297,53 +329,97 @@ def wrap_order_problems(specs: Sequence[PatchSpec]) -> list[str]:
 def wrap_order(specs: Sequence[PatchSpec], where: str, version: str) -> list[str]:
     """The ids of ``specs`` that change ``where`` (module:qualname) on ``version``, innermost first
     (the install order)."""
-    return [s.id for s in specs if version in s.applies_on() and where in s.changes(version)]
+    return [s.id for s in specs if s.applies_on(version) and where in s.changes(version)]
 
 
 def version_problems(spec: PatchSpec) -> list[str]:
     """Where ``spec``'s version facts disagree with ``versions.RELEASES``, the one list of releases, or
-    with each other: a support row that matches no release or a release another row already took, a
-    release no row covers, a target range reaching releases the patch does not apply on (or none at
-    all), a recorded rewrite for a release the patch does not apply on, and a rewritten target without
-    a rewrite for a release where it applies. One line each, naming the spec and the field."""
-    from vllm_overlay.versions import RELEASES
+    with each other; one line each, naming the spec, the fact, the release and what is accepted:
+
+    - support rows: a row that matches no release, a release a second row covers too, a release no
+      row covers (each release of RELEASES in exactly one row);
+    - targets: a ``Target.vllm`` that matches no release the patch applies on, or reaches one where it
+      does not (a range within the releases of its 'applies' rows); a release it applies on where
+      nothing would be installed (no target, no rewrite);
+    - recorded rewrites (the hash keys given to ``per_release``): over one rewritten function, the
+      keys must be exactly the releases its target's range and the 'applies' rows select, each once;
+      a key outside RELEASES, where the patch does not apply, outside the target's range, given twice,
+      for a function no target of the spec rewrites, or a release without its key is named."""
+    from vllm_overlay.versions import RELEASES, compact
 
     out = []
+    span = f"{RELEASES[0]} to {RELEASES[-1]}"
     taken: dict[str, int] = {}
     for i, row in enumerate(spec.support):
         hit = [v for v in RELEASES if row.covers(v)]
         if not hit:
-            out.append(f"{spec.id}: support[{i}] vllm={row.vllm!r} matches no release of versions.RELEASES")
+            out.append(f"{spec.id}: support[{i}] vllm={row.vllm!r} matches no release of versions.RELEASES "
+                       f"({span}); expected a range that selects at least one")
         for v in hit:
             if v in taken:
+                j = taken[v]
                 out.append(f"{spec.id}: support[{i}] vllm={row.vllm!r} covers {v}, already covered by "
-                           f"support[{taken[v]}]")
+                           f"support[{j}] vllm={spec.support[j].vllm!r}; expected each release of "
+                           "versions.RELEASES in exactly one row")
             else:
                 taken[v] = i
     gaps = [v for v in RELEASES if v not in taken]
     if gaps:
-        out.append(f"{spec.id}: no support row covers {', '.join(gaps)} (add a row, e.g. 'unsupported')")
-    applies = set(spec.applies_on())
-    rewritten = {(rw.target.module, rw.target.qualname) for rw in spec.rewrites}
+        out.append(f"{spec.id}: no support row covers {', '.join(gaps)}; expected each release of "
+                   "versions.RELEASES in exactly one row (extend a row, or add one, e.g. 'unsupported')")
+    applies = spec.releases()
+    where = compact(applies) or "none"
     for t in spec.targets:
         if not t.vllm:
             continue
-        hit = {v for v in RELEASES if t.applies_to(v)}
-        if not hit & applies:
-            out.append(f"{spec.id}: target {t} vllm={t.vllm!r} matches no release the patch applies on")
-        elif hit - applies and t.wrapper is not None:
-            out.append(f"{spec.id}: target {t} vllm={t.vllm!r} reaches {', '.join(sorted(hit - applies))}, where "
-                       "the patch does not apply")
-    for rw in spec.rewrites:
-        if rw.version not in applies:
-            out.append(f"{spec.id}: a rewrite of {rw.target} is recorded for {rw.version}, where the patch does "
-                       "not apply")
+        hit = [v for v in RELEASES if t.applies_to(v)]
+        if not set(hit) & set(applies):
+            out.append(f"{spec.id}: target {t} vllm={t.vllm!r} matches no release the patch applies on; "
+                       f"expected a range within its 'applies' rows ({where})")
+        elif set(hit) - set(applies):
+            out.append(f"{spec.id}: target {t} vllm={t.vllm!r} reaches "
+                       f"{', '.join(v for v in hit if v not in applies)}, where the patch does not apply; "
+                       f"expected a range within its 'applies' rows ({where})")
+    empty = [v for v in applies if not spec.modules(v)]
+    if empty:
+        out.append(f"{spec.id}: applies on {compact(empty)}, but no target or rewrite of it does there; expected "
+                   "a target whose range selects each (or a row that does not say 'applies' there)")
+    rewritten: dict[tuple[str, str], list[Target]] = {}
     for t in spec.targets:
-        if t.wrapper is None and (t.module, t.qualname) in rewritten:
-            have = {rw.version for rw in spec.rewrites
-                    if (rw.target.module, rw.target.qualname) == (t.module, t.qualname)}
-            want = {v for v in applies if t.applies_to(v)}
-            if want - have:
-                out.append(f"{spec.id}: target {t} is rewritten but no rewrite is recorded for "
-                           f"{', '.join(sorted(want - have))}")
+        if t.wrapper is None:
+            rewritten.setdefault((t.module, t.qualname), []).append(t)
+    have: dict[tuple[str, str], set[str]] = {}
+    for rw in spec.rewrites:
+        key = (rw.target.module, rw.target.qualname)
+        fact = f"{spec.id}: the rewrite of {rw.target} recorded for {rw.version!r} (a per_release hash key)"
+        ts = rewritten.get(key)
+        if ts is None:
+            out.append(f"{fact} changes a function no target of the spec rewrites; expected a "
+                       f"Target({rw.target.module!r}, {rw.target.qualname!r}) without a wrapper in its targets")
+            continue
+        want = [v for v in applies if any(t.applies_to(v) for t in ts)]
+        expected = (f"expected exactly the releases its target's range "
+                    f"({', '.join(repr(t.vllm or 'every release') for t in ts)}) and the 'applies' rows "
+                    f"select: {compact(want) or 'none'}")
+        if rw.version not in RELEASES:
+            out.append(f"{fact}: not a release of versions.RELEASES ({span}); {expected}")
+        elif rw.version not in applies:
+            row = spec.support_for(rw.version)
+            out.append(f"{fact}: the patch does not apply there ({row.status if row else 'no support row'}); "
+                       f"{expected}")
+        elif rw.version not in want:
+            out.append(f"{fact}: outside its target's range; {expected}")
+        elif rw.version in have.get(key, set()):
+            out.append(f"{fact}: recorded twice; {expected}, each once")
+        elif rw.target.vllm not in ("", f"=={rw.version}"):
+            out.append(f"{fact}: its target says vllm={rw.target.vllm!r}; expected '=={rw.version}' "
+                       "(what per_release writes)")
+        have.setdefault(key, set()).add(rw.version)
+    for key, ts in rewritten.items():
+        want = [v for v in applies if any(t.applies_to(v) for t in ts)]
+        missing = [v for v in want if v not in have.get(key, set())]
+        if missing:
+            out.append(f"{spec.id}: target {ts[0]} is rewritten but no rewrite (per_release hash key) is "
+                       f"recorded for {', '.join(missing)}; expected one for each release its range and the "
+                       f"'applies' rows select ({compact(want)})")
     return out

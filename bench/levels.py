@@ -21,6 +21,9 @@ import os
 import sys
 from typing import Any
 
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
@@ -33,8 +36,12 @@ OUT = levels.DATA
 ENGINE_PROOFS = os.path.join(ROOT, "tests", "engine_proofs.json")
 
 
-def applies(spec: Any, version: str, platform: str) -> bool:
-    return bool(spec.applies_on(version)) and platform in spec.platforms
+def applies(spec: Any, version: str, platform: str, runner: str | None = None) -> bool:
+    """The matrix says the patch acts there (on ``runner`` too, where given: a spec's v2_releases)."""
+    if not spec.applies_on(version) or platform not in spec.platforms:
+        return False
+    return not (runner == "V2" and spec.v2_releases is not None
+                and Version(version) not in SpecifierSet(spec.v2_releases))
 
 
 def build(runs: list[dict[str, Any]], proofs: dict[str, Any]) -> dict[str, Any]:
@@ -45,7 +52,7 @@ def build(runs: list[dict[str, Any]], proofs: dict[str, Any]) -> dict[str, Any]:
             continue
         for pid in r["applied"]:
             spec = specs.get(pid)
-            if spec is None or not applies(spec, r["vllm"], r["platform"]):
+            if spec is None or not applies(spec, r["vllm"], r["platform"], r["runner"]):
                 continue  # a patch id of an older overlay, or one the matrix says does nothing there
             key = (pid, r["vllm"], r["runner"], r["platform"])
             c = cells.setdefault(key, {"patch": pid, "vllm": r["vllm"], "runner": r["runner"],

@@ -60,6 +60,9 @@ def main() -> int:
     ap.add_argument("--model", default=None, help="model directory (default: the embedded tiny hybrid)")
     ap.add_argument("--ngram-spec", type=int, default=0, metavar="K",
                     help="speculative decoding with vLLM's ngram drafter and K speculative tokens")
+    ap.add_argument("--mtp", type=int, default=0, metavar="K",
+                    help="MTP speculative decoding with K speculative tokens (the tiny hybrid with one MTP layer, "
+                         "dummy weights, in a temporary model directory)")
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (worker processes on the CPU build)")
     ap.add_argument("--ep", action="store_true", help="enable_expert_parallel (experts split over the --tp ranks)")
     ap.add_argument("--memory-windows", action="store_true",
@@ -86,13 +89,24 @@ def main() -> int:
         if args.ngram_spec:
             kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.ngram_spec,
                                             "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+        model = args.model or tiny_hybrid_dir()
+        if args.mtp:
+            import tempfile
+
+            with open(os.path.join(model, "config.json")) as f:
+                cfg = json.load(f)
+            cfg["num_nextn_predict_layers"] = 1  # Qwen3-Next's MTP layer (vLLM builds Qwen3NextMTP)
+            model = tempfile.mkdtemp(prefix="tiny-hybrid-mtp-")
+            with open(os.path.join(model, "config.json"), "w") as f:
+                json.dump(cfg, f)
+            kwargs["speculative_config"] = {"method": "mtp", "num_speculative_tokens": args.mtp}
         if args.tp > 1:
             kwargs["tensor_parallel_size"] = args.tp
         if args.ep:
             kwargs["enable_expert_parallel"] = True
 
         def boot(mnbt: int) -> LLM:
-            return LLM(model=args.model or tiny_hybrid_dir(), load_format="dummy", skip_tokenizer_init=True,
+            return LLM(model=model, load_format="dummy", skip_tokenizer_init=True,
                        max_num_batched_tokens=mnbt, max_model_len=max(8192, mnbt),
                        max_num_seqs=32, gpu_memory_utilization=0.3, enforce_eager=not args.compile,
                        seed=0, enable_prefix_caching=False, **kwargs)

@@ -44,8 +44,22 @@ def test_rss_meter_that_cannot_reset_says_why(tmp_path) -> None:  # type: ignore
 
 
 def test_targets_per_build() -> None:
-    assert mh.SPEC.modules("0.32.0", "cpu") == ["vllm.v1.worker.cpu_worker", "vllm.v1.worker.gpu_model_runner"]
+    assert mh.SPEC.modules("0.32.0", "cpu") == ["vllm.v1.worker.cpu_worker", "vllm.v1.worker.gpu.model_runner",
+                                                 "vllm.v1.worker.gpu_model_runner"]
     assert mh.SPEC.modules("0.20.2", "cuda") == ["vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu_worker"]
+    assert mh.SPEC.modules("0.31.0", "cuda") == ["vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu_worker"]
+    v2 = [t.qualname for t in mh.SPEC.wrap_targets("0.33.0") if t.module == "vllm.v1.worker.gpu.model_runner"]
+    assert v2 == ["GPUModelRunner.profile_run", "GPUModelRunner.initialize_kv_cache"]
+
+
+def test_v2_cells_follow_the_releases_it_measures() -> None:
+    from vllm_overlay import levels
+
+    assert levels.cell(mh.SPEC, "0.31.0", "V2", "cuda").level == "unsupported"
+    assert "acts on V2 of >=0.32.0 only" in levels.cell(mh.SPEC, "0.26.0", "V2", "cuda").why
+    assert levels.cell(mh.SPEC, "0.33.0", "V2", "cuda").level == "source-checked"
+    assert levels.cell(mh.SPEC, "0.32.0", "V2", "cpu").level == "source-checked"  # V2 cannot run on the CPU build
+    assert levels.cell(mh.SPEC, "0.32.0", "V1", "cpu").level == "cpu-proven"
 
 
 def test_zero_turns_it_off_with_the_setting_named(monkeypatch, tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
@@ -105,13 +119,68 @@ def test_explicit_kv_size_is_left_alone_and_said_once(caplog) -> None:  # type: 
     STATE.reset()
 
 
-def test_model_runner_v2_is_named_not_measured() -> None:
-    class ModelRunner:  # not vLLM's V1 GPUModelRunner (Model Runner V2 lives in vllm.v1.worker.gpu)
-        pass
+def v2_runner() -> object:
+    """An instance of the installed vLLM's real Model Runner V2 class, without its __init__ (which
+    needs CUDA or Triton: the CPU build refuses V2 at config time, "Model Runner V2 requires
+    Triton.")."""
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
+    return object.__new__(GPUModelRunner)
+
+
+def test_model_runner_v2_is_measured_from_0_32_0_and_named_before() -> None:
     worker = SimpleNamespace(cache_config=SimpleNamespace(kv_cache_memory_bytes=None))
-    why = mh._why_not(worker, ModelRunner(), cpu=False)
-    assert why is not None and "Model Runner V2" in why and "VLLM_USE_V2_MODEL_RUNNER=0" in why
+    saved = STATE.vllm_version
+    try:
+        STATE.vllm_version = "0.31.0"
+        why = mh._why_not(worker, v2_runner(), cpu=False)
+        assert why is not None and "Model Runner V2) on vLLM 0.31.0" in why and ">=0.32.0" in why
+        assert "VLLM_USE_V2_MODEL_RUNNER=0" in why
+        STATE.vllm_version = "0.32.0"
+        assert mh._why_not(worker, v2_runner(), cpu=False) is None
+        assert "neither vLLM's V1 model runner nor Model Runner V2" in mh._why_not(worker, object(), cpu=False)
+    finally:
+        STATE.vllm_version = saved
+
+
+def test_v2_measurement_drives_vllms_own_v2_profiling_entry_points(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The V2 path of the measurement on the real V2 class: vLLM's V2 profiling KV cache helper with
+    a block per state slot, one _dummy_run per shape with is_profile, valid_dummy_state_slots and
+    the cached context, the request count set for the call and restored, vLLM's V2 teardown after,
+    and the cap of profile-run-cap told to stand aside. What cannot run here is replaced, and only
+    that: the helpers and _dummy_run need CUDA/Triton kernels (stand-ins record their calls), and
+    _kv_facts reads a real KVCacheConfig (fixed numbers)."""
+    import torch
+
+    from vllm.v1.worker.gpu import cudagraph_utils
+
+    from vllm_overlay.patches import _memory_measure as mm
+    from vllm_overlay.patches import _runner
+
+    calls: list[tuple] = []  # type: ignore[type-arg]
+    r = v2_runner()
+    cc = SimpleNamespace(max_cudagraph_capture_size=None)
+    r.__dict__.update(compilation_config=cc, vllm_config=None, max_num_reqs=32, device=torch.device("cpu"),
+                      scheduler_config=SimpleNamespace(max_num_seqs=32), speculator=None,
+                      model_config=SimpleNamespace(max_model_len=8192))
+    monkeypatch.setattr(cudagraph_utils, "_init_minimal_kv_cache_for_profiling",
+                        lambda runner: calls.append(("init", cc.max_cudagraph_capture_size)))
+    monkeypatch.setattr(cudagraph_utils, "_teardown_profiling_state", lambda runner: calls.append(("teardown",)))
+    monkeypatch.setattr(mm, "_kv_facts", lambda runner: (1 << 20, 32, 1))
+    monkeypatch.setattr(type(r), "_dummy_run", lambda self, n, **kw: calls.append(
+        ("dummy", n, self.max_num_reqs, _runner.in_measurement(), kw)), raising=True)
+    m = mm.measure(r, meters.RssMeter(), 8192)
+    assert calls[0] == ("init", 32) and calls[-1] == ("teardown",)
+    assert cc.max_cudagraph_capture_size is None and r.max_num_reqs == 32 and not _runner.in_measurement()
+    common = {"skip_attn": False, "is_profile": True, "skip_eplb": True, "valid_dummy_state_slots": True}
+    assert calls[1:-1] == [("dummy", 8192, 1, True, {**common, "context_len": 0}),
+                           ("dummy", 129, 1, True, {**common, "context_len": 8192 - 129}),
+                           ("dummy", 8192, 31, True, {**common, "context_len": 0})]
+    assert [s["name"] for s in m["shapes"]] == ["longest prefill at context 8192",
+                                               "tail chunk of 129 tokens at context 8192",
+                                               "31 prefills (vLLM's profiling split)"]
+    assert m["left_out"] == ["30 decodes + 1 prefill (vLLM's mixed batch): Model Runner V2's _dummy_run has no "
+                             "mixed batch (its split's prefills take the same per-request GDN path)"]
 
 
 # ---- a real engine (CPU build) -------------------------------------------------------------------
@@ -183,6 +252,26 @@ def test_long_prefill_runs_at_the_context_of_max_model_len(scenarios) -> None:  
     assert rec["tokens"] == 4096 and rec["shapes"][0]["name"] == "longest prefill at context 8192"
     assert rec["shapes"][0]["seq_len"] == 8192 and len(rec["shapes"]) == 4 and rec["left_out"] == []
     assert vllm_kv_tokens(r) == rec["kv_tokens_after"]
+
+
+@pytest.mark.engine
+def test_mtp_measures_the_rejection_sampler_at_the_real_draft_count(scenarios) -> None:  # type: ignore[no-untyped-def]
+    """The tiny hybrid with one MTP layer and num_speculative_tokens 3 (vLLM's Qwen3NextMTP drafter
+    runs on the CPU build's V1 runner): after the forwards, vLLM's own dummy sampler run of the V1
+    runner, and its rejection sampler called as that run calls it (both passes: mixed sampling and
+    all-greedy) with 3 drafts per request instead of vLLM's one: 32 requests (max_num_seqs), 128
+    logits rows; the engine then serves MTP decodes on the corrected KV cache."""
+    r = scenarios.run("eager-mtp3", ["--shape", "short", "--mtp", "3"], {})
+    rec = headroom_record(r)
+    *forwards, sampler = rec["shapes"]
+    assert [s["name"] for s in forwards][0] == "longest prefill at context 8192" and rec["left_out"] == []
+    assert sampler["name"] == "spec-decode sampler: 32 requests x 3 drafts (num_speculative_tokens)"
+    assert (sampler["num_reqs"], sampler["drafts_per_request"], sampler["drafts"], sampler["rows"],
+            sampler["calls"]) == (32, 3, 96, 128, 2)
+    assert sampler["peak"] >= sampler["before"]
+    assert vllm_kv_tokens(r) == rec["kv_tokens_after"]
+    assert all(len(t) == 4 for t in r["token_ids"])  # served with MTP drafts after the correction
+    assert "Resolved architecture: Qwen3NextMTP" in r["log"]
 
 
 @pytest.mark.engine
@@ -291,3 +380,12 @@ def test_report_command_prints_the_headroom_line() -> None:
             "KV tokens 6004736 -> 5708513") in buf.getvalue()
     assert ("pid 7: memory-headroom at runtime: peak 0.500 GiB above the pre-profiling baseline (KV cache left "
             "out), reserved 0.000 GiB: EXCEEDED by 0.500 GiB; 2 windows") in buf.getvalue()
+    # the CPU build's resident set: the whole process, so the same numbers are explained, not an alarm
+    rep["patches"]["memory-headroom"]["runtime"]["whole_process"] = True
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        print_reports(Out(), [rep])
+    assert "EXCEEDED" not in buf.getvalue()
+    assert ("reserved 0.000 GiB: 0.500 GiB above it in the resident set, which counts the whole process (the "
+            "scheduler's block pool, requests, modules, an in-process caller), not forwards alone: no alarm "
+            "(CUDA's allocator meter judges forwards); 2 windows") in buf.getvalue()

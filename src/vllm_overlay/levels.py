@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from vllm_overlay.spec import PatchSpec
@@ -83,6 +84,9 @@ def cell(spec: PatchSpec, version: str, runner: str, platform: str, path: str = 
     if platform not in spec.platforms:
         return CellLevel(spec.id, version, runner, platform, "unsupported", (),
                          f"platform {platform}: the patch concerns {', '.join(spec.platforms)} only")
+    if runner == "V2" and spec.v2_releases is not None and Version(version) not in SpecifierSet(spec.v2_releases):
+        return CellLevel(spec.id, version, runner, platform, "unsupported", (),
+                         f"Model Runner V2 of vLLM {version}: the patch acts on V2 of {spec.v2_releases} only")
     entry = proven_cells(path).get((spec.id, version, runner, platform))
     if entry is None:
         return CellLevel(spec.id, version, runner, platform, "source-checked", (), MEANS["source-checked"])

@@ -160,6 +160,10 @@ class PatchSpec:
     # module:qualname on a release declare their order here, and the registry installs them in it
     # (``wrap_order_problems`` checks both)
     wraps_outside: tuple[str, ...] = ()
+    # the releases (PEP 440 specifier) on which the patch acts on Model Runner V2; None: the patch
+    # does not depend on the runner. On V2 of any other release it stands aside (one WARNING in
+    # the worker) and its support level there is "unsupported" (levels.cell)
+    v2_releases: str | None = None
 
     def __post_init__(self) -> None:
         if not self.id or not all(p.isalnum() and p == p.lower() for p in self.id.split("-")):
@@ -187,6 +191,8 @@ class PatchSpec:
         if isinstance(self.wraps_outside, str) or not all(isinstance(p, str) and p for p in self.wraps_outside):
             raise ValueError(f"PatchSpec {self.id!r}: wraps_outside={self.wraps_outside!r}: expected a tuple of "
                              "patch ids")
+        if self.v2_releases is not None:
+            SpecifierSet(self.v2_releases)  # raises on a bad specifier
         if self.id in self.wraps_outside:
             raise ValueError(f"PatchSpec {self.id!r}: wraps_outside={self.wraps_outside!r} names the patch "
                              "itself; expected the ids of other patches")

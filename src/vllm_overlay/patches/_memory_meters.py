@@ -14,6 +14,7 @@ class CudaMeter:
     """The caching allocator's allocated bytes on one device (what vLLM's profiling reads)."""
 
     name = "torch.cuda allocated bytes"
+    whole_process = False  # counts tensors only: a runtime peak above the reservation is the forwards'
 
     def __init__(self, device: Any) -> None:
         self.device = device
@@ -51,6 +52,11 @@ class RssMeter:
     VmRSS now, VmHWM since the last reset (writing 5 to /proc/self/clear_refs resets it)."""
 
     name = "resident set (VmRSS / VmHWM)"
+    # the whole process: after the KV cache exists it also counts what is no forward (the scheduler's
+    # block pool, request state, modules imported, and on the CPU build with the engine core in the
+    # worker's process, the caller's own objects), so a runtime peak above the reservation cannot be
+    # told from that (the runtime line says so instead of an alarm)
+    whole_process = True
 
     def __init__(self, status: str = "/proc/self/status", clear_refs: str = "/proc/self/clear_refs") -> None:
         self.status, self.clear_refs = status, clear_refs

@@ -42,6 +42,7 @@ class Watch:
         self.stop = threading.Event()
         self.record: dict[str, Any] = {
             "kv_bytes": kv_bytes, "baseline": baseline, "budget": budget, "meter": meter.name,
+            "whole_process": bool(getattr(meter, "whole_process", False)),
             "mark_file": mark_path, "every_s": WATCH_EVERY_S, "started": time.time(), "windows": []}
 
     def numbers(self, peak: int) -> dict[str, int]:

@@ -26,10 +26,11 @@ engine at that forward (on V2 that is the start-up warm-up; on V1 the first requ
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from vllm_overlay import report, settings
@@ -91,14 +92,16 @@ def class_name(runner: Any) -> str:
 # ---- which hooks fired on which runner ---------------------------------------------------------
 
 _lock = threading.Lock()
+_measuring = threading.local()  # memory-headroom's measuring forwards (measuring() below)
 _fired: weakref.WeakKeyDictionary[Any, set[tuple[str, str]]] = weakref.WeakKeyDictionary()
 _checked: dict[str, weakref.WeakSet[Any]] = {}  # patch id -> runners whose first forward was checked
 _noted: list[Any] = [None]  # weak reference to the runner STATE.runner describes
 
 
 def _renew_after_fork() -> None:
-    global _lock
+    global _lock, _measuring
     _lock = threading.Lock()
+    _measuring = threading.local()
 
 
 os.register_at_fork(after_in_child=_renew_after_fork)
@@ -215,6 +218,24 @@ def on_revert(patch_id: str) -> None:
         for seen in list(_fired.values()):
             for item in [x for x in seen if x[0] == patch_id]:
                 seen.discard(item)
+
+
+# ---- memory-headroom's measuring forwards ------------------------------------------------------
+
+@contextlib.contextmanager
+def measuring() -> Iterator[None]:
+    """memory-headroom's measuring forwards run inside this: Model Runner V2 runs them as profiling
+    forwards (``_dummy_run(is_profile=True)``: eager, tokens routed to experts), and the patches that
+    act on vLLM's own profiling forward (profile-run-cap) leave them alone."""
+    _measuring.on = True
+    try:
+        yield
+    finally:
+        _measuring.on = False
+
+
+def in_measurement() -> bool:
+    return bool(getattr(_measuring, "on", False))
 
 
 def tp_rank() -> int | None:

@@ -30,12 +30,14 @@ import threading
 import weakref
 from typing import Any
 
+from packaging.specifiers import SpecifierSet
+
 from vllm_overlay import headroom, report, settings
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.patches._memory_measure import is_oom, measure, tensors
 from vllm_overlay.patches._memory_meters import MeterUnavailable, RssMeter, meter_for, runner_meter
 from vllm_overlay.patches._memory_watch import MARK_FILE, Watch
-from vllm_overlay.patches._runner import RUNNER, RUNNER_MODULE
+from vllm_overlay.patches._runner import RUNNER, RUNNER_MODULE, RUNNER_MODULES, V2_MODULE, kind
 from vllm_overlay.report import LOG, STATE
 from vllm_overlay.spec import PatchSpec, Proof, Support, Target
 
@@ -43,6 +45,9 @@ PATCH_ID = "memory-headroom"
 WORKER_MODULE = "vllm.v1.worker.gpu_worker"
 CPU_WORKER_MODULE = "vllm.v1.worker.cpu_worker"
 RUNNER_PATH = "v1/worker/gpu_model_runner.py"
+V2_PATH = "v1/worker/gpu/model_runner.py"
+V2_UTILS_PATH = "v1/worker/gpu/cudagraph_utils.py"
+V2_RELEASES = ">=0.32.0"  # Model Runner V2 measured: its _dummy_run gives GDN layers real metadata
 WORKER_PATH = "v1/worker/gpu_worker.py"
 CPU_WORKER_PATH = "v1/worker/cpu_worker.py"
 
@@ -65,7 +70,37 @@ _RUNNER_PROOFS = (
     Proof("v1/core/kv_cache_utils.py", "def get_max_concurrency_for_kv_cache_config("),
     Proof("v1/attention/backends/turboquant_attn.py", "_CONTINUATION_DECODE_THRESHOLD = 128"),
     Proof(CPU_WORKER_PATH, "requested_memory_for_kv = int(self.requested_cpu_memory - consumed_memory)"),
+    # the spec-decode sampler at the real draft count: the V1 runner's dummy sampler run gives its
+    # rejection sampler one draft per request, positionally, and drops what it returns
+    Proof(RUNNER_PATH, "draft_token_ids = [[0] for _ in range(num_reqs)]"),
+    Proof(RUNNER_PATH, "dummy_spec_decode_metadata = SpecDecodeMetadata.make_dummy("),
+    Proof(RUNNER_PATH, "            self.rejection_sampler(\n                dummy_spec_decode_metadata,\n"
+                       "                draft_probs,\n                logits,\n"),
+    Proof(RUNNER_PATH, "self.rejection_sampler = RejectionSampler("),
+    Proof("v1/spec_decode/metadata.py", "num_draft_tokens: list[int]"),
+    Proof("v1/spec_decode/metadata.py", "def make_dummy("),
 )
+
+# What the measurement calls on Model Runner V2 (vLLM 0.32.0+): vLLM's own profiling KV cache and
+# its teardown, and a _dummy_run whose profiling forwards give GDN layers real metadata on
+# distinct state slots, with cached context
+_V2_PROOFS = (
+    Proof(V2_UTILS_PATH, 'def _init_minimal_kv_cache_for_profiling(runner: "GPUModelRunner") -> None:'),
+    Proof(V2_UTILS_PATH, 'def _teardown_profiling_state(runner: "GPUModelRunner") -> None:'),
+    Proof(V2_UTILS_PATH, "min(runner.max_num_reqs, runner.compilation_config.max_cudagraph_capture_size)"),
+    Proof(V2_UTILS_PATH, "runner.initialize_kv_cache(minimal_config, is_profiling=True)"),
+    Proof(V2_UTILS_PATH, "runner.cudagraph_manager = None"),
+    Proof(V2_PATH, "num_reqs = min(num_tokens, self.max_num_reqs)"),
+    Proof(V2_PATH, "valid_dummy_state_slots: bool = False,"),
+    Proof(V2_PATH, "if dummy_run and is_profile and not valid_dummy_state_slots:"),
+    Proof(V2_PATH, "state_slots = torch.arange(\n                1, input_batch.num_reqs + 1,"),
+    Proof(V2_PATH, "context_len: int = 0,"),
+    Proof(V2_PATH, "need_eager=is_profile or skip_compiled,"),
+    Proof(V2_PATH, "is_padding=not is_profile,"),
+    Proof(V2_PATH, "hidden_states, sample_hidden_states = self._dummy_run(\n            self.max_num_tokens,\n"
+                   "            skip_attn=True,\n            is_profile=True,"),
+)
+_V2_NO_STATE_SLOTS = Proof(V2_PATH, "if dummy_run and is_profile and not valid_dummy_state_slots:", present=False)
 
 _TORCH_PEAK = Proof(WORKER_PATH, "profile_torch_peak = torch.accelerator.memory_stats(self.device).get(")
 _TRANSIENT = Proof("utils/mem_utils.py", "result.transient_peak_headroom = (")
@@ -86,6 +121,10 @@ SPEC = PatchSpec(
         Target(RUNNER_MODULE, f"{RUNNER}.profile_run", wrapper="_profile_run"),
         Target(RUNNER_MODULE, f"{RUNNER}.initialize_kv_cache", wrapper="_initialize_kv_cache",
                params=("kv_cache_config", "is_profiling")),
+        # Model Runner V2 (its CPU build's class inherits these)
+        Target(V2_MODULE, f"{RUNNER}.profile_run", V2_RELEASES, wrapper="_profile_run"),
+        Target(V2_MODULE, f"{RUNNER}.initialize_kv_cache", V2_RELEASES, wrapper="_initialize_kv_cache",
+               params=("kv_cache_config", "is_profiling")),
     ),
     mechanism="wrap",
     support=(
@@ -104,12 +143,25 @@ SPEC = PatchSpec(
                 "transient allocator peak (transient_peak_headroom): the same absolute peak the patch "
                 "compares with; V2 by architecture list as 0.22.0",
                 (_V2_BY_ARCHITECTURE, _TRANSIENT, *_RUNNER_PROOFS)),
-        Support(">=0.29.0,<=0.33.0", "applies",
-                "as 0.27.0, but vLLM runs Model Runner V2 by default on CUDA for every model: there the "
-                "patch measures nothing and says so in one WARNING unless VLLM_USE_V2_MODEL_RUNNER=0; the "
-                "CPU build (no Triton) runs the V1 runner",
+        Support(">=0.29.0,<=0.31.0", "applies",
+                "as 0.27.0, but vLLM runs Model Runner V2 by default on CUDA for every model, and V2's "
+                "profiling forwards of these releases give GDN layers no metadata (is_profile drops the "
+                "Mamba groups; valid_dummy_state_slots does not exist or does not override it): under V2 "
+                "the patch measures nothing and says so in one WARNING unless VLLM_USE_V2_MODEL_RUNNER=0; "
+                "the CPU build (no Triton) runs the V1 runner",
                 (Proof("config/vllm.py", "def _is_default_v2_model_runner_model", present=False),
-                 _TRANSIENT, *_RUNNER_PROOFS)),
+                 _V2_NO_STATE_SLOTS, _TRANSIENT, *_RUNNER_PROOFS)),
+        Support(">=0.32.0,<=0.33.0", "applies",
+                "as 0.29.0 on the V1 runner; on Model Runner V2 (vLLM's default on CUDA) the same correction: "
+                "profile_run recorded, vLLM's own V2 profiling KV cache (_init_minimal_kv_cache_for_profiling) "
+                "and teardown (_teardown_profiling_state), dummy forwards _dummy_run(is_profile=True, "
+                "valid_dummy_state_slots=True, context_len) that give GDN layers real metadata (no mixed "
+                "batch: V2 has none; the split one request short of max_num_seqs: V2's state slots start at "
+                "1); V2's profiling runs no rejection sampler, so the spec-decode sampler is not measured "
+                "there (the line says so). Model Runner V2 does not run on the CPU build (it needs Triton): "
+                "the V2 path is checked in source and driven with vLLM's V2 classes and stand-in bodies only",
+                (Proof("config/vllm.py", "def _is_default_v2_model_runner_model", present=False),
+                 _TRANSIENT, *_RUNNER_PROOFS, *_V2_PROOFS)),
     ),
     default=True,
     disabled_by="VLLM_OVERLAY_MEMORY_HEADROOM",
@@ -120,6 +172,8 @@ SPEC = PatchSpec(
     ),
     settings=("VLLM_OVERLAY_MEMORY_HEADROOM", "VLLM_OVERLAY_MEMORY_HEADROOM_DRY_RUN", "VLLM_OVERLAY_PROFILE_RUN_CAP",
               "VLLM_OVERLAY_REPORT_DIR"),
+    either_modules=(RUNNER_MODULES,),
+    v2_releases=V2_RELEASES,
 )
 
 
@@ -183,14 +237,16 @@ def _why_not(worker: Any, runner: Any, cpu: bool) -> str | None:
     if getattr(cache_config, "kv_cache_memory_bytes", None):
         return ("kv_cache_memory_bytes is set (on the CPU build also by VLLM_CPU_KVCACHE_SPACE): the KV cache "
                 "size is the user's, vLLM does not size it from profiling, and nothing is measured or moved")
-    try:
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-    except Exception as exc:  # noqa: BLE001
-        return f"the V1 model runner cannot be imported ({type(exc).__name__}: {exc})"
-    if not isinstance(runner, GPUModelRunner):
-        return (f"the worker runs {type(runner).__module__}.{type(runner).__name__} (Model Runner V2: vLLM's "
-                "default on CUDA from 0.29.0; VLLM_USE_V2_MODEL_RUNNER=0 selects the V1 runner this patch "
-                "measures), so the KV cache is sized from vLLM's profiled peak alone")
+    k = kind(runner)
+    name = f"{type(runner).__module__}.{type(runner).__name__}"
+    if k is None:
+        return f"the worker runs {name}, neither vLLM's V1 model runner nor Model Runner V2"
+    version = STATE.vllm_version or ""
+    if k == "V2" and not (version and SpecifierSet(V2_RELEASES).contains(version)):
+        return (f"the worker runs {name} (Model Runner V2) on vLLM {version or '(unknown)'}, whose V2 profiling "
+                f"forwards give GDN layers no metadata (the patch measures V2 on vLLM {V2_RELEASES}); "
+                "VLLM_USE_V2_MODEL_RUNNER=0 selects the V1 runner this patch measures, else the KV cache is "
+                "sized from vLLM's profiled peak alone")
     if cpu and not hasattr(worker, "requested_cpu_memory"):
         return "the CPU worker has no requested_cpu_memory to read what it reserved"
     return None
@@ -227,7 +283,7 @@ def correct(worker: Any, available: int) -> int:
         reserved = int(worker.requested_cpu_memory) - available
         baseline = prof["baseline"] if prof else reserved
     elif prof is None:
-        _not_corrected("vLLM's profiling forward (GPUModelRunner.profile_run) did not run in this worker "
+        _not_corrected(f"vLLM's profiling forward ({kind(runner)} GPUModelRunner.profile_run) did not run in this worker "
                        "before the KV cache was sized, so there is no profiled peak to compare with")
         return available
     else:

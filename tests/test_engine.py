@@ -52,7 +52,7 @@ def test_overlay_applies_in_the_worker_and_sees_the_band(overlay) -> None:  # ty
     # the machine; a line written before names an earlier role and is followed by one with the final
     # role, so the process's last summary line is the one to assert on.
     summaries = [ln for ln in overlay["log"].splitlines() if f"[vllm-overlay] pid {w['pid']} role " in ln]
-    assert f"pid {w['pid']} role worker rank 0: 6 applied" in summaries[-1], summaries
+    assert f"pid {w['pid']} role worker rank 0: 7 applied" in summaries[-1], summaries
     # moe-configs applies in the worker too (the CPU MoE reads no Triton config, so it records none)
     assert w["patches"]["moe-configs"]["status"] == "applied"
     assert all(r["load_apply_s"] < 1.0 for r in overlay["reports"])

@@ -53,7 +53,7 @@ def test_both_worker_ranks_apply_and_report(tp2) -> None:  # type: ignore[no-unt
         assert buf["key"][-2:] == [2, 128] and buf["rows"] == 8192 and buf["layers"] == 3
         assert r["telemetry"]["forwards"]["sizes"].get(str(BUG_STEP)) == 1
         assert r["counters"]["guard_trips"] == 0 and r["load_apply_s"] < 1.0
-        assert f"pid {r['pid']} role worker rank {r['tp_rank']}: 6 applied" in tp2["log"]
+        assert f"pid {r['pid']} role worker rank {r['tp_rank']}: 7 applied" in tp2["log"]
 
 
 def test_a_forward_is_counted_once_across_ranks(tp2) -> None:  # type: ignore[no-untyped-def]

@@ -26,6 +26,12 @@ Series (all prefixed ``vllm_overlay_``):
 - ``patch_info`` (``patch``, ``status``, ``role``, ``pid``): one series per patch and process.
 - ``engine_config_info``: the live limits the workers saw, and the server id.
 - ``processes``: how many overlay processes of this server reported, by role.
+- ``rank_missing_info`` (``engine_pid``, ``rank``, ``why``): a worker rank its engine core expected
+  and got no report from (patch rank-reports).
+
+Worker reports also arrive inside the engine core's report (``ranks``: gathered through vLLM's
+executor, patch rank-reports), for workers whose report directory is on another host; a process
+readable both ways is counted once (``reports.dedupe``).
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from typing import Any
 
 from vllm_overlay import report_files, server_id, settings
 from vllm_overlay.report import LOG, STATE
-from vllm_overlay.reports import problem
+from vllm_overlay.reports import dedupe, expand, missing_ranks, problem
 from vllm_overlay.telemetry import merge_sizes
 
 PREFIX = "vllm_overlay_"
@@ -129,7 +135,8 @@ def bucket_edges(reports: list[dict[str, Any]]) -> list[int]:
 
 
 def families(reports: list[dict[str, Any]], server: str | None,
-             skipped: dict[str, str] | None = None) -> Iterator[Any]:
+             skipped: dict[str, str] | None = None,
+             missing: list[dict[str, Any]] | None = None) -> Iterator[Any]:
     from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
                                         InfoMetricFamily)
 
@@ -208,6 +215,12 @@ def families(reports: list[dict[str, Any]], server: str | None,
     for path, why in sorted((skipped or {}).items()):
         bad.add_metric([os.path.basename(path), why[:200]], {})
     yield bad
+    gone = InfoMetricFamily(PREFIX + "rank_missing",
+                            "A worker rank its engine core expected and got no overlay report from: dead, "
+                            "unreachable, or without the overlay (why).", labels=["engine_pid", "rank", "why"])
+    for m in missing or []:
+        gone.add_metric([str(m.get("engine_pid", "")), str(m.get("rank", "")), str(m.get("why", ""))[:200]], {})
+    yield gone
     yield from write_families()
 
 
@@ -244,7 +257,8 @@ class OverlayCollector:
             if self.directory is None and STATE.registered:  # this process: fresher than its file
                 own = STATE.to_json()
                 reports = [r for r in reports if r.get("instance") != own["instance"]] + [own]
-            out = list(families(reports, server, self.cache.skipped))
+            reports = dedupe([r for rep in reports for r in expand(rep)])
+            out = list(families(reports, server, self.cache.skipped, missing_ranks(reports)))
         except Exception as exc:  # noqa: BLE001 - never break vLLM's own /metrics
             text = f"{type(exc).__name__}: {exc}"
             if self._warned != text:

@@ -56,6 +56,8 @@ class ProcessState:
         self.engine_config: dict[str, Any] = {}
         self.runner: dict[str, Any] = {}  # the model runner the worker built: kind V1 / V2 and class
         self.buffers: list[dict[str, Any]] = []
+        # engine core (patch rank-reports): its workers' reports, gathered through the executor
+        self.ranks: dict[str, Any] | None = None
         self.dirty = False
         self.last_written = 0.0  # time.time() of the last report on disk
         self.write_error: tuple[str, str] | None = None  # (path, error) while writing fails
@@ -87,6 +89,19 @@ class ProcessState:
             self.forwards.record(n)
             self.dirty = True
         _ensure_flusher()
+
+    def set_ranks(self, world_size: int, reports: list[dict[str, Any]], missing: list[dict[str, Any]]) -> None:
+        """The reports this engine core gathered from its worker ranks, and the ranks that sent none."""
+        with self.lock:
+            self.ranks = {"world_size": world_size, "gathered": time.time(), "stepped_since": False,
+                          "reports": reports, "missing": missing}
+            self.dirty = True
+
+    def ranks_stepped(self) -> None:
+        """A step ran since the last gather: the gathered reports are as of the gather, not of now."""
+        with self.lock:
+            if self.ranks is not None:
+                self.ranks["stepped_since"] = True
 
     def record_dummy(self, n: int, is_profile: bool) -> None:
         with self.lock:
@@ -150,6 +165,7 @@ class ProcessState:
                 "patches": self.patches,
                 "budgets": self.budgets,
                 "buffers": self.buffers,
+                **({"ranks": self.ranks} if self.ranks is not None else {}),
                 "engine_config": self.engine_config,
                 "runner": self.runner,
                 "counters": self.counters,

@@ -1,4 +1,10 @@
-"""Reading the per-process JSON reports of a run (used by the CLI and the stress harness)."""
+"""Reading the per-process JSON reports of a run (used by the CLI, the stress harness and /metrics).
+
+An engine core's report may carry its worker ranks' reports (``ranks``, patch rank-reports: gathered
+through vLLM's executor, for workers whose report directory is on another host); ``expand`` lists
+them beside it, ``dedupe`` keeps one report per process (a worker's own file and its gathered copy,
+where both are readable: the newer), and ``missing_ranks`` the ranks that sent none.
+"""
 
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ class Scan:
     reports: list[dict[str, Any]] = field(default_factory=list)
     foreign: list[dict[str, Any]] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)  # path -> why
+    missing: list[dict[str, Any]] = field(default_factory=list)  # ranks that sent no report (missing_ranks)
 
 
 def scan(directory: str, since: float | None = None, server: str | None = None) -> Scan:
@@ -48,6 +55,45 @@ def scan(directory: str, since: float | None = None, server: str | None = None) 
             out.foreign.append(rep)
         else:
             out.reports.append(rep)
+    out.reports = dedupe([r for rep in out.reports for r in expand(rep)])
+    out.missing = missing_ranks(out.reports)
+    return out
+
+
+def expand(rep: dict[str, Any]) -> list[dict[str, Any]]:
+    """``rep`` and the worker reports its engine core gathered (each with ``_via``: the file they
+    came in). Where no step ran since the gather, the ranks' reports are as current as the engine
+    core's own (a worker changes only in a step), so they take its ``written``."""
+    ranks = rep.get("ranks") or {}
+    out = [rep]
+    for sub in ranks.get("reports") or []:
+        sub = dict(sub)
+        sub["_via"] = rep.get("_path", "")
+        if not ranks.get("stepped_since") and isinstance(rep.get("written"), (int, float)):
+            sub["written"] = max(float(sub.get("written") or 0), float(rep["written"]))
+        out.append(sub)
+    return out
+
+
+def dedupe(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One report per process (host, pid, instance): the most recently written."""
+    best: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for rep in reports:
+        key = (rep.get("host"), rep.get("pid"), rep.get("instance") or rep.get("_path"))
+        have = best.get(key)
+        if have is None or float(rep.get("written") or 0) > float(have.get("written") or 0):
+            best[key] = rep
+    return list(best.values())
+
+
+def missing_ranks(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The worker ranks an engine core expected and got no report from: each with the engine
+    core's pid and host, the rank and why."""
+    out = []
+    for rep in reports:
+        for m in (rep.get("ranks") or {}).get("missing") or []:
+            out.append({"engine_pid": rep.get("pid"), "host": rep.get("host"), "rank": m.get("rank"),
+                        "why": str(m.get("why", ""))})
     return out
 
 
@@ -59,7 +105,7 @@ def load(directory: str, since: float | None = None) -> list[dict[str, Any]]:
 _SHAPES: dict[str, type | tuple[type, ...]] = {
     "counters": dict, "buffers": list, "patches": dict, "engine_config": dict, "telemetry": dict,
     "counts": dict, "events": list, "runner": dict, "budgets": list, "written": (int, float),
-    "server_id": (str, type(None)), "role": str, "tp_rank": (int, type(None)),
+    "server_id": (str, type(None)), "role": str, "tp_rank": (int, type(None)), "ranks": dict,
 }
 
 
@@ -75,6 +121,16 @@ def problem(rep: Any) -> str | None:
     for b in rep.get("buffers", []):
         if not isinstance(b, dict):
             return "field 'buffers' holds a non-object"
+    ranks = rep.get("ranks") or {}
+    if not isinstance(ranks.get("reports", []), list) or not isinstance(ranks.get("missing", []), list):
+        return "field 'ranks' holds no lists of reports and missing ranks"
+    for sub in ranks.get("reports", []):
+        why = problem(sub)
+        if why is not None:
+            return f"a gathered rank report: {why}"
+    for m in ranks.get("missing", []):
+        if not isinstance(m, dict):
+            return "field 'ranks' holds a missing rank that is not an object"
     for pid, rec in (rep.get("patches") or {}).items():
         if not isinstance(rec, dict):
             return f"patch {pid!r} is not an object"

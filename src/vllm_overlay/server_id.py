@@ -9,6 +9,8 @@ An id the overlay made itself (``HOST:PID:TIME:RANDOM``) belongs to the process 
 A program's main process (one not started by multiprocessing: ``vllm serve`` started by a launcher
 that had loaded vLLM's plugins itself) that inherits such an id from another process makes its own,
 so two servers started by one launcher never share an id. An id set by hand is always kept.
+A Ray worker process (vLLM's Ray executors start the workers as Ray actors and pass them the
+driver's environment) is not a program's main process: it keeps the id it is given.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import multiprocessing
 import os
 import re
 import socket
+import sys
 import time
 
 from vllm_overlay import settings
@@ -41,7 +44,19 @@ def inherited_from_another_program(sid: str) -> bool:
     m = _AUTO.match(sid)
     if m is None or int(m.group(1)) == os.getpid():
         return False
-    return multiprocessing.parent_process() is None
+    return multiprocessing.parent_process() is None and not in_ray_worker()
+
+
+def in_ray_worker() -> bool:
+    """Whether this process is a Ray worker (an actor or task process, not a Ray driver): Ray is
+    imported already there, before any of vLLM's code runs."""
+    ray = sys.modules.get("ray")
+    if ray is None:
+        return False
+    try:
+        return bool(ray._private.worker.global_worker.mode == ray.WORKER_MODE)
+    except Exception:  # noqa: BLE001 - another Ray layout: treated as not a Ray worker
+        return False
 
 
 def ensure() -> str:

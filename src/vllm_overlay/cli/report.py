@@ -11,7 +11,7 @@ from vllm_overlay.telemetry import bucket_counts, merge_sizes
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("report", help="pretty-print the JSON reports in DIR")
+    p = sub.add_parser("report", help="pretty-print the JSON reports in DIR (exit 1 when a worker rank sent none)")
     p.add_argument("dir", metavar="DIR", help="a VLLM_OVERLAY_REPORT_DIR")
     p.set_defaults(func=run)
 
@@ -101,4 +101,7 @@ def run(args: argparse.Namespace) -> int:
                  "and VLLM_OVERLAY_REPORT_DIR set to this directory?", "error")
         return 1
     print_reports(out, reports)
-    return 0
+    for m in found.missing:
+        out.line(f"rank {m['rank']} of the engine core pid {m['engine_pid']} ({m['host']}): MISSING, no overlay "
+                 f"report: {m['why']}", "error")
+    return 1 if found.missing else 0

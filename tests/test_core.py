@@ -144,11 +144,12 @@ def test_apply_then_revert_restores_every_target(overlay) -> None:  # type: igno
     # (GPUModelRunner._dummy_run is wrapped by two patches and counts once), 5 on Model Runner V2
     # (__init__, execute_model, _dummy_run, prepare_inputs, capture_model), the worker's
     # execute_model (the runner patches' first-forward check), and memory-headroom's
-    # CPUWorker.determine_available_memory, GPUModelRunner.profile_run and initialize_kv_cache (not
-    # the CUDA Worker's determine_available_memory, a target for the CUDA build only), and
+    # CPUWorker.determine_available_memory, GPUModelRunner.profile_run and initialize_kv_cache on
+    # both runners (not the CUDA Worker's determine_available_memory, a target for the CUDA build
+    # only), and
     # rank-reports' EngineCore.__init__, step, step_with_batch_queue and
     # WorkerWrapperBase.initialize_from_config
-    assert len(changed) == 23, changed
+    assert len(changed) == 25, changed
     assert "vllm.v1.engine.core:EngineCore.step_with_batch_queue" in changed
     assert "vllm.v1.worker.gpu_model_runner:GPUModelRunner.initialize_kv_cache" in changed
     assert "vllm.v1.worker.gpu_worker:Worker.determine_available_memory" not in changed

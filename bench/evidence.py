@@ -94,9 +94,12 @@ def from_processes(procs: list[dict[str, Any]]) -> dict[str, Any]:
 def acted(spec: Any, procs: list[dict[str, Any]]) -> bool:
     """Whether the processes' counters show the patch of ``spec`` (None: an id no spec has) acted: one
     of its ``shown_by`` counters above 0 (a patch without such counters: applied is all a result can
-    show)."""
+    show, unless one of its ``idle_by`` counters says it did nothing there)."""
     need = spec.shown_by if spec is not None else ()
-    return not need or any((p.get("counters") or {}).get(c) for p in procs for c in need)
+    if need:
+        return any((p.get("counters") or {}).get(c) for p in procs for c in need)
+    idle = spec.idle_by if spec is not None else ()  # applied, but a counter says it did nothing there
+    return not any((p.get("counters") or {}).get(c) for p in procs for c in idle)
 
 
 def run(label: str | None, fields: dict[str, Any], proof: bool, outcome: str) -> dict[str, Any]:

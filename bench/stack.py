@@ -1424,8 +1424,9 @@ def release_verdict(runs: dict[str, dict[str, Any]], pairs: dict[str, Any]) -> l
         sv = r.get("stress")
         if sv and name != "forced-guard":
             ev = r.get("runner_evidence") or {}
+            band = sv.get("band") or ["?", "?"]
             out.append(f"{name} ({weights} weights, {runner}): band stress {sv.get('verdict')}: {sv.get('band_forwards')} "
-                       f"forwards in {sv.get('band')}, requests ok / failed {sv.get('requests_ok')} / "
+                       f"forwards in ({band[0]}, {band[1]}], requests ok / failed {sv.get('requests_ok')} / "
                        f"{sv.get('requests_failed')}, largest forward {sv.get('max_forward')}, guard checks / trips "
                        f"{ev.get('guard_checks')} / {ev.get('guard_trips')}, telemetry from the workers: "
                        f"{'yes' if ev.get('telemetry_fired') else 'NO'}")

@@ -218,3 +218,19 @@ def test_results_written_now_are_matched_without_provenance(tmp_path) -> None:  
     built = levels_script.build(runs, {"vllm": "0.32.0", "runner": "V1", "platform": "cpu", "tests": {}})
     assert {(c["patch"], c["vllm"], c["runner"]) for c in built["cells"]} == {
         ("forward-telemetry", "0.26.0", "V1"), ("memory-headroom", "0.26.0", "V1")}
+
+
+def test_a_patch_whose_counters_say_it_did_nothing_is_not_shown_by_that_run() -> None:
+    """vLLM 0.33.0, Model Runner V2: memory-headroom was applied in the profiled server's worker, but that
+    worker counted headroom_not_corrected (V2 was not measured by that build of the patch): the run proves
+    the other patches, not memory-headroom; a worker that counted verify batches shows turboquant-spec-decode."""
+    d = json.load(open(os.path.join(RESULTS, "stack-release-033-h200.json")))
+    procs = [p for p in d["runs"]["tq-nomtp"]["processes"] if p.get("runner")]
+    assert [p["patches"]["memory-headroom"] for p in procs] == ["applied"]
+    assert procs[0]["counters"]["headroom_not_corrected"] == 1
+    assert not evidence.acted(SPECS["memory-headroom"], procs)
+    assert evidence.acted(SPECS["forward-telemetry"], procs)
+    on = [p for p in d["runs"]["tq-mtp-on"]["processes"] if p.get("runner")]
+    assert evidence.acted(SPECS["turboquant-spec-decode"], on)
+    assert not [c for c in data()["cells"] if (c["patch"], c["vllm"], c["runner"], c["platform"], c["level"])
+                == ("memory-headroom", "0.33.0", "V2", "cuda", "gpu-proven")]

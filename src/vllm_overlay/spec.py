@@ -151,6 +151,9 @@ class PatchSpec:
     # report counters of which one above 0 shows the patch acted (not only installed): a GPU result
     # proves the patch on its cell only then (bench/evidence.py); empty: applied is enough
     shown_by: tuple[str, ...] = ()
+    # report counters of which one above 0 shows the patch did nothing in that process although applied
+    # (e.g. memory-headroom's headroom_not_corrected): a run with one proves nothing for the patch
+    idle_by: tuple[str, ...] = ()
     # functions of the patch module that mechanisms/install.py and core.revert call: "prepare"
     # (prepare(module_name), before the first wrap once a target module is imported) and
     # "on_revert" (on_revert(), after its wrappers are removed); a module defining one must declare it
@@ -181,6 +184,8 @@ class PatchSpec:
                              f"from {', '.join(HOOKS)}")
         if isinstance(self.shown_by, str) or not all(isinstance(c, str) and c for c in self.shown_by):
             raise ValueError(f"PatchSpec {self.id!r}: shown_by={self.shown_by!r}: expected a tuple of counter names")
+        if isinstance(self.idle_by, str) or not all(isinstance(c, str) and c for c in self.idle_by):
+            raise ValueError(f"PatchSpec {self.id!r}: idle_by={self.idle_by!r}: expected a tuple of counter names")
         if isinstance(self.traced_settings, str) or any(n not in self.settings for n in self.traced_settings):
             raise ValueError(f"PatchSpec {self.id!r}: traced_settings={self.traced_settings!r}: expected a tuple "
                              f"of names from its settings ({', '.join(self.settings) or 'none'})")

@@ -109,6 +109,7 @@ _V2_BY_ARCHITECTURE = Proof("config/vllm.py", "def _is_default_v2_model_runner_m
 SPEC = PatchSpec(
     id=PATCH_ID,
     hooks=("on_revert",),
+    idle_by=("headroom_not_corrected",),  # applied, but it measured and moved nothing in that process
     title="Activation memory measured at max_num_batched_tokens, taken from the KV cache before it is sized",
     why=" ".join(__doc__.split("\n\n")[1:3]).replace("\n", " "),
     upstream="https://github.com/vllm-project/vllm/issues/52872 (fix PR 52935 open), "

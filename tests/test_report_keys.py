@@ -116,3 +116,46 @@ def test_collector_opens_only_its_own_servers_files(tmp_path, monkeypatch) -> No
     monkeypatch.setattr("builtins.open", real_open)
     assert s.band(1024, 2048) == 2
     assert [p for p in opened if p.startswith(directory)] == [mine["report"]]
+
+
+def test_prune_keeps_the_directory_bounded_without_touching_live_files(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Past MAX_FILES report files, the oldest of those nobody wrote for 2 h go (restarts within a day);
+    files written within that time (a live process rewrites hourly) stay whatever their number."""
+    monkeypatch.setattr(report_files, "MAX_FILES", 4)
+    now = time.time()
+    for i in range(8):  # 3 h + i min old: idle
+        f = tmp_path / f"overlay-aaaaaaaaaaaa-{i}-00000000.json"
+        f.write_text("{}")
+        t = now - 3 * 3600 - 60 * i
+        os.utime(f, (t, t))
+    for i in range(3):  # written 10 minutes ago: live
+        f = tmp_path / f"overlay-bbbbbbbbbbbb-{i}-00000000.json"
+        f.write_text("{}")
+        os.utime(f, (now - 600, now - 600))
+    removed = report_files.prune(str(tmp_path), now)
+    assert sorted(int(os.path.basename(p).split("-")[2]) for p in removed) == [1, 2, 3, 4, 5, 6, 7]
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert len(left) == 4 and all(f"overlay-bbbbbbbbbbbb-{i}-00000000.json" in left for i in range(3))
+
+
+def test_an_earlier_servers_files_under_the_same_id_are_not_counted(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Two boots under one hand-set VLLM_OVERLAY_SERVER_ID share the file key: the serving collector
+    leaves out a report of this host written before its process started by a process that is gone,
+    and keeps one whose process runs, one from another host, and everything when it has no start time."""
+    import socket
+
+    probe = subprocess.Popen(["true"])  # a pid that no longer runs
+    probe.wait()
+    dead_pid = probe.pid
+    directory = tmp_path / "reports"
+    directory.mkdir()
+    key = server_id.file_key("srv")
+    base = {"server_id": "srv", "role": "engine core", "patches": {}, "counts": {}, "written": time.time() - 3600}
+    rows = {"old": {**base, "pid": dead_pid, "host": socket.gethostname(), "instance": "a"},
+            "live": {**base, "pid": os.getpid(), "host": socket.gethostname(), "instance": "b"},
+            "remote": {**base, "pid": dead_pid, "host": "another-host", "instance": "c"}}
+    for n, rep in rows.items():
+        (directory / f"overlay-{key}-{rep['pid']}-{rep['instance']}{n}.json").write_text(json.dumps(rep))
+    serving = metrics.ReportCache(started=time.time())
+    assert sorted(r["instance"] for r in serving.reports(str(directory), "srv")) == ["b", "c"]
+    assert sorted(r["instance"] for r in metrics.ReportCache().reports(str(directory), "srv")) == ["a", "b", "c"]

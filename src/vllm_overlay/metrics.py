@@ -47,7 +47,7 @@ from typing import Any
 
 from vllm_overlay import report_files, server_id, settings
 from vllm_overlay.report import LOG, STATE
-from vllm_overlay.reports import dedupe, expand, missing_ranks, problem
+from vllm_overlay.reports import dedupe, expand, gone_before, missing_ranks, problem
 from vllm_overlay.telemetry import merge_sizes
 
 PREFIX = "vllm_overlay_"
@@ -58,10 +58,22 @@ HIST = PREFIX + "forward_scheduled_tokens"
 # ---- the serving side: reports -> metric families -------------------------------------------
 
 
-class ReportCache:
-    """Parsed reports of one directory, re-read only when a file changed."""
+def process_started() -> float | None:
+    """This process's start time (psutil, a vLLM dependency), or None where it cannot be read."""
+    try:
+        import psutil
 
-    def __init__(self) -> None:
+        return float(psutil.Process().create_time())
+    except Exception:  # noqa: BLE001 - without it earlier servers' files are kept until pruned
+        return None
+
+
+class ReportCache:
+    """Parsed reports of one directory, re-read only when a file changed. ``started``: reports of this
+    host written before it by processes that are gone are an earlier server's (reports.gone_before)."""
+
+    def __init__(self, started: float | None = None) -> None:
+        self.started = started
         self._lock = threading.Lock()
         self._files: dict[str, tuple[int, int, dict[str, Any] | None]] = {}
         self.skipped: dict[str, str] = {}  # path -> why it is not a report (named on /metrics)
@@ -96,7 +108,7 @@ class ReportCache:
                     self._files[path] = (st.st_mtime_ns, st.st_size, rep)
                     cached = self._files[path]
                 rep = cached[2]
-                if rep is not None and rep.get("server_id") == server:
+                if rep is not None and rep.get("server_id") == server and not gone_before(rep, self.started):
                     out.append(rep)
             for gone in set(self._files) - seen:
                 del self._files[gone]
@@ -243,7 +255,9 @@ class OverlayCollector:
     def __init__(self, directory: str | None = None, server: str | None = None) -> None:
         self.directory = directory
         self.server = server
-        self.cache = ReportCache()
+        # the serving side (no directory given): an earlier server's files under the same server id are
+        # not counted (written before this process started, by processes that are gone)
+        self.cache = ReportCache(started=None if directory else process_started())
         self._warned: str | None = None  # the last error logged: a new one is logged again
 
     def describe(self) -> list[Any]:

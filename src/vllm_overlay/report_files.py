@@ -10,7 +10,10 @@ server's reports, however many the directory holds.
 Pruning: when a process registers, report files (``overlay-*.json``) not written for
 ``PRUNE_AFTER_S`` (24 h) and temporary files (``.overlay-*.tmp``) older than ``TMP_PRUNE_AFTER_S``
 are removed from its directory. A live process rewrites its report at least every
-``REFRESH_S`` (1 h), so only the files of processes that are gone get old enough.
+``REFRESH_S`` (1 h), so only the files of processes that are gone get old enough. Where more than
+``MAX_FILES`` report files remain, the oldest of those not written for ``2 * REFRESH_S`` go too, so
+the directory holds at most about ``MAX_FILES`` files plus those of live processes, however often
+servers restart.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ PREFIX = "overlay-"
 PRUNE_AFTER_S = 24 * 3600.0
 TMP_PRUNE_AFTER_S = 600.0
 REFRESH_S = 3600.0
+MAX_FILES = 512
 
 
 def name(key: str, pid: int, instance: str) -> str:
@@ -40,7 +44,8 @@ def all_glob(directory: str) -> str:
 def prune(directory: str, now: float | None = None) -> list[str]:
     """Remove the stale files of ``directory`` (see the module docstring); returns their paths."""
     now = time.time() if now is None else now
-    removed = []
+    removed: list[str] = []
+    kept: list[tuple[float, str]] = []  # report files left by age: (mtime, path)
     try:
         entries = list(os.scandir(directory))
     except OSError:
@@ -53,9 +58,19 @@ def prune(directory: str, now: float | None = None) -> list[str]:
         else:
             continue
         try:
-            if now - entry.stat(follow_symlinks=False).st_mtime > limit:
+            mtime = entry.stat(follow_symlinks=False).st_mtime
+            if now - mtime > limit:
                 os.unlink(entry.path)
                 removed.append(entry.path)
+            elif limit == PRUNE_AFTER_S:
+                kept.append((mtime, entry.path))
         except OSError:
             continue  # gone already, or not ours to remove
+    idle = sorted((m, p) for m, p in kept if now - m > 2 * REFRESH_S)  # no live process writes these
+    for _, path in idle[:max(0, len(kept) - MAX_FILES)]:
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            continue
     return removed

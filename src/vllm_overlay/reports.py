@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import socket
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,6 +108,25 @@ _SHAPES: dict[str, type | tuple[type, ...]] = {
     "counts": dict, "events": list, "runner": dict, "budgets": list, "written": (int, float),
     "server_id": (str, type(None)), "role": str, "tp_rank": (int, type(None)), "ranks": dict,
 }
+
+
+def gone_before(rep: dict[str, Any], started: float | None) -> bool:
+    """Whether ``rep`` is an earlier server's: written on this host before ``started`` (the reading
+    process's start) by a process that no longer runs here. Restarts under one hand-set server id
+    share its file names' key, so such files sit beside the current ones until pruned; they are not
+    counted. A report gathered from a rank (``_via``), one from another host, or one whose process
+    runs (or cannot be checked) is kept."""
+    if started is None or rep.get("_via") or rep.get("host") != socket.gethostname():
+        return False
+    if float(rep.get("written") or 0) >= started:
+        return False
+    try:
+        os.kill(int(rep["pid"]), 0)
+    except ProcessLookupError:
+        return True
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return False
 
 
 def problem(rep: Any) -> str | None:

@@ -345,6 +345,8 @@ def fail(option: str, value: object, accepted: str) -> None:
 
 
 def model_config(model: str) -> dict[str, Any]:
+    if model == "tiny":  # stack.py's name for the package's tiny hybrid
+        model = os.path.join(os.path.dirname(HERE), "src", "vllm_overlay", "models", "tiny-hybrid")
     path = model if model.endswith(".json") else os.path.join(model, "config.json") if os.path.isdir(model) else \
         os.path.join(HERE, "models", f"{model}.json")
     if not os.path.isfile(path):
@@ -374,16 +376,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--mnbt", type=str, default="8192")
     ap.add_argument("--port", type=str, default="8031")
     ap.add_argument("--label", default="decode-breakdown")
-    ap.add_argument("--boot-extra", default="", help="more `stack.py boot` options (one string)")
+    ap.add_argument("--boot-extra", default="", help="more `stack.py boot` options (one string, as --boot-extra=ARGS; not --extra)")
+    ap.add_argument("--serve-extra", default="", help="more `vllm serve` arguments (one string; give it as --serve-extra=ARGS), e.g. --enforce-eager")
     ap.add_argument("--keep-server", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(HERE, "results"))
     ap.add_argument("--tag", default="")
     a = ap.parse_args(argv)
+    raw = a.streams
     try:
-        a.streams = [int(s) for s in a.streams.split(",")]
+        a.streams = [int(s) for s in raw.split(",")]
         assert a.streams and min(a.streams) >= 1
     except (ValueError, AssertionError):
-        fail("--streams", a.streams, "comma-separated integers >= 1, e.g. 1,16")
+        fail("--streams", raw, "comma-separated integers >= 1, e.g. 1,16")
     for opt, conv, lo in (("steps", int, 2), ("context", int, 1), ("mnbt", int, 1), ("port", int, 1),
                           ("bandwidth_tbs", float, 1e-6), ("kv_bytes", float, 1e-6), ("state_bytes", float, 1e-6)):
         raw = getattr(a, opt)
@@ -401,6 +405,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         fail("--url", a.url, "http://HOST:PORT of a running vllm serve")
     if a.url and not (a.trace_dir and os.path.isdir(a.trace_dir)):
         fail("--trace-dir", a.trace_dir, "with --url, an existing folder: the server's torch_profiler_dir")
+    if "--extra" in a.boot_extra.split():
+        fail("--boot-extra", a.boot_extra, "stack.py boot options without --extra (vllm serve arguments go in --serve-extra)")
     a.cfg = model_config(a.model)
     return a
 
@@ -418,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
         extra = "--profiler-config " + json.dumps(json.dumps(prof))
         if a.graphs == "off":
             extra += " --compilation-config " + json.dumps(json.dumps({"cudagraph_mode": "NONE"}))
+        extra += (" " + a.serve_extra) if a.serve_extra else ""
         cmd = [*stack, "boot", a.label, "--config", a.config, "--model", a.model, "--kv", "auto", "--mtp", "0",
                "--mnbt", str(a.mnbt), "--max-model-len", str(max(4096, 2 * (a.context + 4 * a.steps))),
                "--port", str(a.port), "--max-capture", "128", "--wait", "1200", "--extra", extra,

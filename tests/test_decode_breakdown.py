@@ -1,0 +1,62 @@
+"""bench/decode_breakdown.py: families, steps and CUDA-graph replays on a synthetic trace with vLLM 0.33.0's
+kernel names; the floors; bad options; and (engine) one tiny-hybrid `vllm serve` of the CPU build, profiled
+through /start_profile, its real trace (CPU operators) parsed end to end."""
+
+from __future__ import annotations
+
+import json, os, subprocess, sys  # noqa: E401
+
+import pytest
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+sys.path.insert(0, BENCH)
+import decode_breakdown as db  # noqa: E402
+
+sys.path.remove(BENCH)
+X = {"ph": "X"}
+
+
+def test_graph_replays_families_and_gap() -> None:
+    ev = [{**X, "cat": "user_annotation", "name": f"execute_context_0(0)_generation_2(2)", "ts": t, "dur": 50} for t in (0, 1000, 2000)]
+    names = [("nvjet_tst_128x8_64x6_2x1_v_bz_splitK_TNT", 7), "topkGatingSoftmax", "fused_moe_kernel", ("nvjet_tst_64x8", 9),
+             "_causal_conv1d_update_kernel", "fused_recurrent_gated_delta_rule_packed_decode_kernel", "layer_norm_gated_fwd_kernel",
+             "kernel_unified_attention", ("nvjet_tst_lm_head", 7), "_gumbel_sample_kernel"]
+    ev += [{**X, "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": t, "dur": 5, "args": {"correlation": c}} for t, c in ((10, 1), (1010, 2))]
+    for i, n in enumerate(names):  # step 1 replays one graph; step 2's graph shows no kernels
+        name, stream = n if isinstance(n, tuple) else (n, 7)
+        ev.append({**X, "cat": "kernel", "name": name, "ts": 100 + 50 * i, "dur": 40, "args": {"correlation": 1, "stream": stream}})
+    r = db.analyse({"traceEvents": ev}, 2)
+    fam = r["families_ms_per_step"]
+    assert r["decode_steps"] == 2 and r["kernels_in_graphs_per_step"] == 5.0 and r["graphs_hide_kernels"]
+    assert fam["moe_router"] == fam["lm_head_sampler"] == 0.04 and fam["dense_proj"] == 0.0  # GEMM + its neighbour
+    assert {fam[f] for f in ("shared_expert", "expert_gemm", "gdn_conv", "gdn_recurrent", "glue", "attention")} == {0.02}
+    assert r["wall_ms_per_step"]["mean"] == 1.0 and r["host_gap_ms_per_step"] == 0.8
+    with pytest.raises(db.BadTrace, match="no decode step of 16 streams"):
+        db.analyse({"traceEvents": ev}, 16)
+
+
+def test_floors_and_bad_options() -> None:
+    bf16, awq = (db.floors(db.model_config(m), 16, 2048, 2, 2) for m in ("qwen36-35b-a3b-slice8", "qwen36-35b-a3b-slice8-awq"))
+    one = db.floors(db.model_config("qwen36-35b-a3b-slice8"), 1, 2048, 2, 2)
+    assert one["expert_gemm"] == 8 * 8 * 3 * 2048 * 512 * 2 and 3.5 < bf16["expert_gemm"] / awq["expert_gemm"] < 4
+    assert bf16["attention"] == 2 * 16 * 2048 * 2 * 2 * 256 * 2 and awq["moe_router"] == bf16["moe_router"]  # gate stays bf16
+    for argv, said in ((["--streams", "0,16"], "--streams '0,16': expected comma-separated integers >= 1"),
+                       (["--steps", "x"], "--steps 'x': expected an integer >= 2"), (["--graphs", "maybe"], "expected on or off"),
+                       (["--model", "nope"], "--model 'nope': expected a model directory")):
+        with pytest.raises(SystemExit) as e:
+            db.parse_args(argv)
+        assert said in str(e.value)
+
+
+@pytest.mark.engine
+def test_cpu_serve_trace_end_to_end(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    env = {**os.environ, "STACK_STATE_DIR": str(tmp_path / "state"), "OUT": str(tmp_path)}
+    p = subprocess.run([sys.executable, os.path.join(BENCH, "decode_breakdown.py"), "--model", "tiny", "--streams", "1,2",
+                        "--steps", "6", "--context", "16", "--mnbt", "2048", "--port", "8137", "--serve-extra=--enforce-eager",
+                        "--boot-extra=--max-num-seqs 8 --mem 0.3"], env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    r = json.load(open(tmp_path / "decode-breakdown-tiny-overlay-graphson.json"))["by_streams"]
+    assert r["1"]["kernel_source"].startswith("CPU operators") and r["2"]["decode_steps"] >= 4
+    top = {f: {k["name"] for k in ks} for f, ks in r["1"]["top_kernels"].items()}
+    assert "vllm::cpu_gdn_attention_core" in top["gdn_recurrent"] and "_C::cpu_fused_moe" in top["expert_gemm"]
+    assert r["1"]["host_gap_ms_per_step"] > 0 and r["1"]["floor_ms"]["expert_gemm"] > 0

@@ -21,9 +21,10 @@ acknowledged through the worker's report before traffic starts):
 Per phase: the worker's window (memory-headroom's `runtime` report field: allocator peak above the
 pre-profiling baseline with the KV cache left out, against the budget: vLLM's reserved peak plus
 what was moved; per worker rank), the device's used memory from `nvidia-smi -lms 200` (peak against
-gpu_memory_utilization x total), requests ok / failed, and whether the server is alive, with any
-out-of-memory line of its log. A phase after which the server is dead ends the step (exit 1: the
-series marks the label FAILED and keeps its log); phases already measured are kept in
+gpu_memory_utilization x total, or --device-fraction x total where servers side by side share the
+device), requests ok / failed, and whether the server is alive, with any out-of-memory line of its
+log. A phase after which the server is dead ends the step (exit 1: the series marks the label FAILED
+and keeps its log); phases already measured are kept in
 LABEL/memory.json and skipped when the same command runs again (exit 3: --budget-s left no room
 for the next phase). Without memory-headroom's watch (the overlay off, or the patch off) the device
 numbers and the outcome are still recorded.
@@ -59,6 +60,9 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     m.add_argument("--min-band", type=int, default=20, help="band phase: band forwards asked of the stress tool")
     m.add_argument("--mixed-tokens", type=int, default=192, help="mixed phase: tokens each decode stream asks for")
     m.add_argument("--budget-s", type=float, default=None, help="start no phase that may not end within this")
+    m.add_argument("--device-fraction", type=float, default=None,
+                   help="the device's used memory is compared with this fraction of its total (default: the "
+                        "server's gpu_memory_utilization; servers side by side: what they request together)")
     m.add_argument("--out", default="memory", help="result file NAME.json in the label's folder")
 
 
@@ -351,6 +355,8 @@ def cmd_memory(a: argparse.Namespace, stk: Any) -> int:
         return 1
     t_start = time.time()
     names = phase_list(a.phases)
+    if a.device_fraction is not None and not 0 < a.device_fraction <= 1:
+        sys.exit(f"stack: memory --device-fraction {a.device_fraction}: expected a fraction in (0, 1]")
     d = stk.sdir(a.label)
     report_dir = os.path.join(d, "reports")
     path = os.path.join(d, f"{a.out}.json")
@@ -361,7 +367,8 @@ def cmd_memory(a: argparse.Namespace, stk: Any) -> int:
            "max_num_seqs_source": "the worker's report" if ec.get("max_num_seqs") else
            ("--max-num-seqs" if args.get("max_num_seqs") else "assumed 256 (no overlay report)"),
            "kv_cache_tokens": stk.log_number(a.label, r"KV cache size: ([0-9,]+) tokens"),
-           "gpu_memory_utilization": float(args["gpu_memory_utilization"])}
+           "gpu_memory_utilization": float(args["gpu_memory_utilization"]),
+           "device_fraction": a.device_fraction or float(args["gpu_memory_utilization"])}
     res: dict[str, Any] = {"kind": "memory", "label": a.label, "vllm_args": args, "config": cfg,
                            "overlay_env": st.get("overlay_env"), "phases": {}, "seq": 0}
     if os.path.exists(path):
@@ -416,7 +423,7 @@ def cmd_memory(a: argparse.Namespace, stk: Any) -> int:
                       workers=window_of(report_dir, seq), device_peak_mib=peak,
                       device_total_mib=dict(total) or None)
             if peak and total:
-                ph["device_requested_mib"] = {i: int(cfg["gpu_memory_utilization"] * total[i]) for i in peak}
+                ph["device_requested_mib"] = {i: int(cfg["device_fraction"] * total[i]) for i in peak}
                 ph["device_within_requested"] = all(peak[i] <= ph["device_requested_mib"][i] for i in peak)
             ph["oom"] = bool(ph["oom_lines"]) or any(OOM.search(e or "") for e in ph.get("errors", []))
             ph["done"] = True

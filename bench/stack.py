@@ -1376,24 +1376,64 @@ SERIES: dict[str, dict[str, Any]] = {
                   ("tq-stock", "--config stock --mtp 0 --env VLLM_USE_V2_MODEL_RUNNER=0", ("logprobs",))],
     },
 }
-# memory: memory under traffic, no MTP, utilization 0.97, graphs up to 128
-# tokens. The 16k pair is the bug report's sizing (TurboQuant k8v4 KV, config overlay's cap 4096) with
-# the cap alone (memory-headroom off) and with memory-headroom; the 8k pair is vLLM's own sizing (bf16
-# KV, no cap) with memory-headroom, then measuring only (VLLM_OVERLAY_MEMORY_HEADROOM_DRY_RUN=1: its
-# line and its runtime watch, nothing moved; last, the one to drop when time runs short). The two
-# boots of a pair compile the same graphs.
-# Each label runs the `memory` step (phase "memory": the series' "memory" arguments, started with at
-# least "least_budget_s" left, resumed by the next run like steps); no logprobs; a failed boot is a
-# result, booted again only when memory-headroom's measuring forward stopped it (then with the patch off).
+# memory: memory under traffic on the 35B geometry's first 8 layers (13.8 GiB of weights: several servers
+# fit one GPU; the whole geometry's 64 GB do not), graphs up to 128 tokens, vLLM's default runner (V2 on
+# 0.29.0 and later; the verdict names the runner the workers built) except the MTP label, which asks for V1:
+# memory-headroom measures the verify step's rejection sampler at the real draft count there only. Per
+# configuration memory-headroom on (it moves what vLLM's profiling misses from the KV cache) and in dry-run
+# (VLLM_OVERLAY_MEMORY_HEADROOM_DRY_RUN=1: vLLM's own sizing, with the patch's line and runtime watch). The
+# pairs compile the same graphs, so the second of a pair boots warm. "mem_total": the utilization that servers
+# side by side on one GPU share (each gets mem_total / their number: vLLM's budget is utilization x the
+# device's total, so the budgets together leave what one server at mem_total leaves outside). "profile_alone":
+# on a shared GPU one server at a time is in its profiling window (boot until its KV cache size is logged):
+# vLLM reads the device's free memory there, so no other server of the series starts, stops or sends traffic
+# meanwhile, and traffic waits while a boot is due (the windows run back to back, the traffic after them).
+# "memory_by_label": `memory` options added to the series' own for one label (fewer phases where the phase
+# left out shows nothing more there: "mixed" carries the longest prompt too).
+def memory_verdict(runs: dict[str, dict[str, Any]], pairs: dict[str, Any]) -> list[str]:
+    """Per run: the runner its workers built, memory-headroom's KV tokens (given up, or would give up in a dry
+    run), and per phase requests, out-of-memory, and each worker's peak against what was reserved."""
+    out = []
+    for name, r in runs.items():
+        m = r.get("memory") or {}
+        runner = "/".join((r.get("runner_evidence") or {}).get("built") or []) or "unknown runner"
+        recs = [x for w in (m.get("headroom") or {}).values() for x in w.get("records", [])]
+        h = recs[0] if recs else {}
+        mode = ("dry run (vLLM's sizing)" if h.get("dry_run") else "memory-headroom") if h else "not measured"
+        if h:
+            mode += (f", KV tokens {h.get('kv_tokens_before')} -> {h.get('kv_tokens_after')} "
+                     f"({(h.get('kv_tokens_before') or 0) - (h.get('kv_tokens_after') or 0)} "
+                     f"{'would be ' if h.get('dry_run') else ''}given up)")
+        parts = []
+        for ph_name, ph in m.get("phases", {}).items():
+            wins = [w.get("window") or {} for w in (ph.get("workers") or {}).values()]
+            peaks = "; ".join(f"peak {x['runtime_peak'] / 2**30:.3f} GiB, {'OVER' if x['over_budget'] > 0 else 'within'}"
+                              f" the reservation by {abs(x['over_budget']) / 2**30:.3f}" for x in wins
+                              if "runtime_peak" in x) or "no window"
+            parts.append(f"{ph_name} {ph.get('requests_ok')} ok / {ph.get('requests_failed')} failed, "
+                         f"{'OUT OF MEMORY, ' if ph.get('oom') else ''}{'' if ph.get('server_alive') else 'DEAD, '}{peaks}")
+        state = ("never served: " + str(r.get("failure_class") or "-") if r.get("healthy_after_s") is None
+                 else "; ".join(parts) or "no phase measured")
+        out.append(f"{name} ({runner}, {mode}): {state}")
+    return out
+
+
 SERIES["memory"] = {
-    "boot": "--config overlay --mtp 0 --mem 0.97 --max-capture 128",
-    "memory": "--phases longest,band,burst,mixed --band-seconds 20 --mixed-tokens 128",
+    "boot": "--config overlay --model qwen36-35b-a3b-slice8 --mtp 0 --max-capture 128",
+    "memory": "--phases longest,band,burst,mixed --band-seconds 15 --mixed-tokens 128",
     "least_budget_s": 100,  # the longest phase's prompt and its two windows fit
+    "mem_total": 0.97,
+    "profile_alone": True,
     "do": ("memory",),
     "fallbacks": ("headroom",),
-    "items": [("tq16k-cap", "--kv turboquant_k8v4 --mnbt 16384 --overlay-env VLLM_OVERLAY_MEMORY_HEADROOM=0"),
-              ("tq16k-headroom", "--kv turboquant_k8v4 --mnbt 16384"),
+    "verdict": memory_verdict,
+    "memory_by_label": {"tq16k-mtp-v1": "--phases burst,mixed", "tq16k-vllm": "--phases band,burst,mixed",
+                        "bf16-8k-vllm": "--phases burst,mixed"},
+    # the three cold compiles first, the warm second boots of a pair after them
+    "items": [("tq16k-headroom", "--kv turboquant_k8v4 --mnbt 16384"),
               ("bf16-8k-headroom", "--kv auto --mnbt 8192 --overlay-env GENESIS_PROFILE_RUN_CAP_M=0"),
+              ("tq16k-mtp-v1", "--kv turboquant_k8v4 --mnbt 16384 --mtp 3 --env VLLM_USE_V2_MODEL_RUNNER=0"),
+              ("tq16k-vllm", "--kv turboquant_k8v4 --mnbt 16384 --overlay-env VLLM_OVERLAY_MEMORY_HEADROOM_DRY_RUN=1"),
               ("bf16-8k-vllm", "--kv auto --mnbt 8192 "
                                "--overlay-env 'GENESIS_PROFILE_RUN_CAP_M=0 VLLM_OVERLAY_MEMORY_HEADROOM_DRY_RUN=1'")],
 }
@@ -1519,6 +1559,22 @@ KV_SIZED = " KV cache size: "  # vLLM's log line once a server's KV cache is siz
 STAGGER_MAX_S = 420  # a server that logged no KV cache size by then does not hold the next one back
 
 
+def window_closed(label: str, stagger: float) -> bool:
+    """Whether the server of ``label`` started ``stagger`` seconds ago and, unless its KV cache has a fixed
+    size, has sized its KV cache or stopped (or STAGGER_MAX_S passed: said once)."""
+    st = series_state(label)
+    if st is None:
+        return False
+    age = time.time() - st["started"]
+    sized = ((st.get("vllm_args") or {}).get("kv_cache_memory_bytes") or KV_SIZED in serve_log(label)
+             or not alive(st["pid"]))
+    if age >= stagger and not sized and age >= STAGGER_MAX_S and not st.get("stagger_said"):
+        say(f"series: {label} has not sized its KV cache after {age:.0f} s; the next server starts anyway")
+        st["stagger_said"] = True
+        save_state(label, st)
+    return age >= stagger and (sized or age >= STAGGER_MAX_S)
+
+
 def stagger_gate(prev: str, stagger: float, t_end: float) -> bool:
     """Wait until the server of ``prev`` (the label before this one on the same GPU) started ``stagger``
     seconds ago and, unless its KV cache has a fixed size, has sized its KV cache or stopped: vLLM's
@@ -1526,21 +1582,76 @@ def stagger_gate(prev: str, stagger: float, t_end: float) -> bool:
     budget. False when the deadline comes first (the next run waits on)."""
     said = False
     while time.time() < t_end - 5:
-        st = series_state(prev)
-        if st is not None:
-            age = time.time() - st["started"]
-            fixed = (st.get("vllm_args") or {}).get("kv_cache_memory_bytes")
-            sized = fixed or KV_SIZED in serve_log(prev) or not alive(st["pid"])
-            if age >= stagger and (sized or age >= STAGGER_MAX_S):
-                if not sized:
-                    say(f"series: {prev} has not sized its KV cache after {age:.0f} s; the next server starts anyway")
-                return True
+        if window_closed(prev, stagger):
+            return True
         if not said:
             say(f"series: waiting for {prev} (started {stagger:.0f} s before, KV cache sized) before the next boot "
                 "on its GPU")
             said = True
         time.sleep(2)
     return False
+
+
+class GpuWindows:
+    """Series with "profile_alone", servers side by side on one GPU: one server at a time is in its profiling
+    window (from its start until window_closed), and none while another server of the series there sends
+    traffic or stops; traffic waits while a window is open or a boot is due there (``due``: labels waiting to
+    boot), so the windows run back to back. The waits end at the series' deadline (False)."""
+
+    def __init__(self) -> None:
+        self.cv = threading.Condition()
+        self.open: dict[str | None, str] = {}  # GPU -> the label in its window
+        self.traffic: dict[str | None, int] = {}  # GPU -> traffic steps and stops running
+        self.due: dict[str | None, set[str]] = {}
+        self.stagger = 0.0
+
+    def _closed(self, gpu: str | None) -> bool:
+        label = self.open.get(gpu)
+        if label is not None and window_closed(label, self.stagger):
+            del self.open[gpu]
+        return gpu not in self.open
+
+    def _wait(self, ready: Any, t_end: float) -> bool:
+        while not ready():
+            if time.time() >= t_end - 5:
+                return False
+            self.cv.wait(timeout=2)
+        return True
+
+    def expect(self, label: str, gpu: str | None) -> None:
+        with self.cv:
+            self.due.setdefault(gpu, set()).add(label)
+
+    def boot(self, label: str, gpu: str | None, t_end: float) -> bool:
+        with self.cv:
+            self.due.setdefault(gpu, set()).add(label)
+            ok = self._wait(lambda: self._closed(gpu) and not self.traffic.get(gpu), t_end)
+            if ok:
+                self.due[gpu].discard(label)
+                self.open[gpu] = label
+            return ok
+
+    def unbooked(self, label: str, gpu: str | None) -> None:  # a boot that never started
+        with self.cv:
+            self.due.get(gpu, set()).discard(label)
+            if self.open.get(gpu) == label:
+                del self.open[gpu]
+            self.cv.notify_all()
+
+    def traffic_start(self, label: str, gpu: str | None, t_end: float) -> bool:
+        with self.cv:
+            ok = self._wait(lambda: self._closed(gpu) and not self.due.get(gpu, set()) - {label}, t_end)
+            if ok:
+                self.traffic[gpu] = self.traffic.get(gpu, 0) + 1
+            return ok
+
+    def traffic_end(self, gpu: str | None) -> None:
+        with self.cv:
+            self.traffic[gpu] -= 1
+            self.cv.notify_all()
+
+
+WINDOWS = GpuWindows()
 
 
 class GpuQuiet:
@@ -1614,10 +1725,13 @@ def run_series_queue(name: str, items: list[tuple[str, list[str], tuple[str, ...
             if st is None:
                 if index == 0 and after is not None and not stagger_gate(after, opts["stagger"], t_end):
                     return
+                if opts.get("profile_alone") and not WINDOWS.boot(label, gpu, t_end):
+                    return
                 if not QUIET.start(label, gpu, t_end):
                     return
                 dispatch(["boot", label, *boot_args, *(["--gpu", gpu] if gpu is not None else []), "--wait", "0"])
                 if series_state(label) is None:
+                    WINDOWS.unbooked(label, gpu)
                     QUIET.end(label)
                     REFUSED[label] = "boot refused its arguments (see above)"
                     break  # nothing to resume: the next label
@@ -1668,11 +1782,15 @@ def run_series_queue(name: str, items: list[tuple[str, list[str], tuple[str, ...
                     args, why = fallback
                     put_aside(label, "failed-boot")
                     say(f"series: {label}: boot failed {why}; booting again {why.replace('with ', 'without ', 1)}")
+                    if opts.get("profile_alone") and not WINDOWS.boot(label, gpu, t_end):
+                        return
                     if not QUIET.start(label, gpu, t_end):
                         return
                     dispatch(["boot", label, *args, *(["--gpu", gpu] if gpu is not None else []), "--wait", "0"])
                     if series_state(label) is not None:
                         series_mark(label, series=name, retry=why.replace("with ", "without ", 1))
+                    else:
+                        WINDOWS.unbooked(label, gpu)
                 continue
             if "guard" in phases:  # it serves: band traffic must meet the guard
                 if t_end - time.time() < opts["guard_stress_s"] + SERIES_STRESS_EXTRA_S:
@@ -1714,10 +1832,19 @@ def run_series_queue(name: str, items: list[tuple[str, list[str], tuple[str, ...
                 budget = t_end - time.time() - SERIES_RESERVE_S
                 if budget < opts["memory_least_s"]:
                     return
-                if not QUIET.start(label, gpu, t_end):
+                if opts.get("profile_alone") and not WINDOWS.traffic_start(label, gpu, t_end):
                     return
-                rc = dispatch(["memory", label, *opts["memory"], *budget_args(budget)])
-                QUIET.end(label)
+                if not QUIET.start(label, gpu, t_end):
+                    if opts.get("profile_alone"):
+                        WINDOWS.traffic_end(gpu)
+                    return
+                try:
+                    rc = dispatch(["memory", label, *opts["memory"], *opts["memory_by_label"].get(label, []),
+                                   *budget_args(t_end - time.time() - SERIES_RESERVE_S)])
+                finally:
+                    QUIET.end(label)
+                    if opts.get("profile_alone"):
+                        WINDOWS.traffic_end(gpu)
                 # cut short by the budget (3): the phases measured are kept and the next run goes on
                 series_mark(label, memory_rc=rc)
                 if rc not in (0, 3):
@@ -1753,7 +1880,13 @@ def run_series_queue(name: str, items: list[tuple[str, list[str], tuple[str, ...
                 continue
             if t_end - time.time() < 20:
                 return
-            dispatch(["stop", label])
+            if opts.get("profile_alone") and not WINDOWS.traffic_start(label, gpu, t_end):
+                return  # a stop frees memory: not during another server's profiling window
+            try:
+                dispatch(["stop", label])
+            finally:
+                if opts.get("profile_alone"):
+                    WINDOWS.traffic_end(gpu)
             series_mark(label, done=True)
 
 
@@ -1877,15 +2010,24 @@ def cmd_series(a: argparse.Namespace) -> int:
     if a.stagger < 0 or a.fixed_kv is not None and a.fixed_kv < 1:
         sys.exit(f"stack: series {a.name}: --stagger {a.stagger} / --fixed-kv {a.fixed_kv}: expected seconds >= 0 "
                  "and a number of bytes >= 1")
+    if a.fixed_kv and spec.get("profile_alone"):
+        sys.exit(f"stack: series {a.name} --fixed-kv {a.fixed_kv}: not with this series (every server sizes its KV "
+                 "cache by vLLM's profiling, which memory-headroom corrects); leave --fixed-kv out")
     if a.fixed_kv_mem is not None and not (0 < a.fixed_kv_mem <= 1 and a.fixed_kv):
         sys.exit(f"stack: series {a.name}: --fixed-kv-mem {a.fixed_kv_mem}: expected a fraction in (0, 1], "
                  "with --fixed-kv")
     first_on_gpu = {g: gpus.index(g) for g in gpus}  # the queue whose server profiles its KV cache alone
+    device_fraction: dict[str, float] = {}  # label -> what the servers side by side on its GPU request together
     for i, label in enumerate(labels):
         boot, phases = by_label[label]
         port = str(a.base_port + known.index(label))
-        args = [*shlex.split(spec["boot"]), *shlex.split(boot), "--port", port, *shlex.split(a.boot_extra)]
         q = i % len(gpus)
+        share = gpus.count(gpus[q])  # servers side by side on this label's GPU
+        # "mem_total": shared by the servers side by side on a GPU (--boot-extra's --mem still wins)
+        mem = ["--mem", f"{spec['mem_total'] / share:.4g}"] if spec.get("mem_total") else []
+        args = [*shlex.split(spec["boot"]), *mem, *shlex.split(boot), "--port", port, *shlex.split(a.boot_extra)]
+        if spec.get("mem_total") and share > 1:
+            device_fraction[label] = round(share * build_parser().parse_args(["boot", label, *args]).mem, 4)
         if a.fixed_kv and q != first_on_gpu[gpus[q]]:
             args += ["--kv-bytes", str(a.fixed_kv)]
             if a.fixed_kv_mem is not None:  # vLLM then checks only that this much is free at its start
@@ -1908,7 +2050,16 @@ def cmd_series(a: argparse.Namespace) -> int:
         "guard_stress": args_of("guard_stress", a.guard_stress),
         "logprobs": None if a.no_logprobs else args_of("logprobs", a.logprobs),
         "fallbacks": tuple(spec.get("fallbacks", ("headroom", "max-capture"))), "expect_runner": expect,
-        "stagger": a.stagger, "steps_alone": bool(spec.get("steps_alone"))}
+        "stagger": a.stagger, "steps_alone": bool(spec.get("steps_alone")),
+        "profile_alone": bool(spec.get("profile_alone")) and len(set(gpus)) < len(gpus),
+        "memory_by_label": {label: ([] if a.memory is not None else shlex.split(extra))
+                            + (["--device-fraction", str(device_fraction[label])] if label in device_fraction else [])
+                            for label, extra in {**{x: "" for x in labels}, **spec.get("memory_by_label", {})}.items()}}
+    if opts["profile_alone"]:
+        WINDOWS.stagger = a.stagger
+        for q, g in zip(queues, gpus):  # the first boots are due from the start: no traffic before them
+            if q and series_state(q[0][0]) is None:
+                WINDOWS.expect(q[0][0], g)
     for key in ("stress", "guard_stress"):  # how long a stress may take: whether it starts before the deadline
         opts[f"{key}_s"] = build_parser().parse_args(["stress", "x", *(opts[key] or [])]).duration
     wanted = {p for label in labels for p in by_label[label][1]}
@@ -1925,7 +2076,9 @@ def cmd_series(a: argparse.Namespace) -> int:
            "its KV cache" if len(set(gpus)) < len(gpus) else "")
         + (f"; every server but the first on a GPU gets a fixed KV cache of {a.fixed_kv} bytes"
            + (f" and --mem {a.fixed_kv_mem}" if a.fixed_kv_mem is not None else "")
-           if a.fixed_kv and len(set(gpus)) < len(gpus) else ""))
+           if a.fixed_kv and len(set(gpus)) < len(gpus) else "")
+        + (f"; utilization {spec['mem_total']} shared by the servers side by side on a GPU; one profiling window "
+           "at a time there, no traffic or stop during one" if opts["profile_alone"] else ""))
     threads = [threading.Thread(target=run_series_queue, args=(a.name, q, g, t_end, opts, after[i]),
                                 name=f"series-q{i}-gpu{g}")
                for i, (g, q) in enumerate(zip(gpus, queues))]

@@ -373,3 +373,41 @@ def test_memory_table() -> None:
             "+0.500 | +0.500 | served every phase |") in lines
     assert "| on | burst | 1024 / 0 | alive | 5.500 | 6.000 | +0.500 | - | - |" in lines
     assert "| cap | longest | 0 / 1 | DEAD, OOM | - | - | - | - | OOM |" in lines
+
+
+def test_memory_series_side_by_side_profiles_alone(state, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """--gpus 0,0: utilization 0.97 shared (0.485 each); one profiling window (boot until the KV cache size
+    line) at a time, no traffic or stop during one; the third label boots once the traffic has ended."""
+    servers, boots, sized, spans, mem_argv = {}, {}, {}, [], {}
+
+    def kv_sized(label: str) -> None:
+        with open(os.path.join(stack.sdir(label), "serve.log"), "a") as f:
+            f.write("INFO GPU KV cache size: 9 tokens\n")
+        sized[label] = time.time()
+
+    def fake_dispatch(argv: list[str]) -> int:
+        if argv[0] == "boot":
+            servers[argv[1]] = subprocess.Popen(["sleep", "120"], start_new_session=True)
+            served(argv[1], servers[argv[1]].pid)
+            boots[argv[1]] = (time.time(), parse(argv).mem)
+            threading.Timer(0.8, kv_sized, (argv[1],)).start()
+        elif argv[0] in ("memory", "stop"):
+            t0, mem_argv[argv[1]] = time.time(), argv if argv[0] == "memory" else mem_argv[argv[1]]
+            time.sleep(0.3)
+            spans.append((t0, time.time()))
+        return 0
+
+    monkeypatch.setattr(stack, "dispatch", fake_dispatch)
+    monkeypatch.setattr(stack, "WINDOWS", stack.GpuWindows())
+    labels = "tq16k-headroom,bf16-8k-headroom,tq16k-vllm"
+    try:
+        assert stack.main(["series", "memory", "--labels", labels, "--gpus", "0,0", "--stagger", "0"]) == 0
+    finally:
+        for s in servers.values():
+            s.kill()
+            s.wait()
+    assert {m for _, m in boots.values()} == {0.485} and len(spans) == 6
+    assert all(e <= boots[x][0] or s >= sized[x] for x in boots for s, e in spans), (boots, sized, spans)
+    argv = mem_argv["tq16k-vllm"]
+    assert argv[argv.index("--device-fraction") + 1] == "0.97" and argv[argv.index("--phases", 3) + 1] == \
+        "band,burst,mixed"

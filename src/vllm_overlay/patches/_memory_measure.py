@@ -264,7 +264,9 @@ def measure(runner: Any, meter: CudaMeter | RssMeter, tokens: int) -> dict[str, 
                     out["left_out"].append(f"{shape.name}: the forward failed ({type(exc).__name__}: "
                                            f"{str(exc)[:300]})")
                     continue
-                p = meter.peak()
+                # a peak is never below the level the call started from (the resident-set meter's
+                # VmHWM and VmRSS are kept per thread and can disagree by some pages)
+                p = max(meter.peak(), before)
                 peak = max(peak, p)
                 out["shapes"].append({"name": shape.name, "num_reqs": shape.num_reqs, "seq_len": shape.seq_len,
                                       "mixed": shape.mixed, "before": before, "peak": p,
@@ -283,7 +285,7 @@ def measure(runner: Any, meter: CudaMeter | RssMeter, tokens: int) -> dict[str, 
                     meter.sync()
                     out["left_out"].append(f"{name}: the sampler failed ({type(exc).__name__}: {str(exc)[:300]})")
                 else:
-                    p = meter.peak()
+                    p = max(meter.peak(), before)
                     peak = max(peak, p)
                     out["shapes"].append({"name": name, "num_reqs": n, "seq_len": None, "mixed": False,
                                           "drafts_per_request": k, **facts, "before": before, "peak": p,

@@ -8,6 +8,7 @@ once per vLLM process.
 from __future__ import annotations
 
 import glob
+import gzip
 import json
 import logging
 import os
@@ -177,3 +178,21 @@ def finish_child(out: str, res: dict[str, Any]) -> None:
     with open(out, "w") as f:
         json.dump(res, f)
     os._exit(0)
+
+
+def kernel_family(name: str, families: tuple[tuple[str, str], ...]) -> str:
+    """The first family of ``families`` ((family, regex) pairs) whose pattern is in ``name``
+    (lowercased), else "other": how the profiler-trace breakdowns classify kernels."""
+    low = name.lower()
+    for fam, pat in families:
+        if re.search(pat, low):
+            return fam
+    return "other"
+
+
+def load_trace(path: str) -> dict[str, Any]:
+    """A torch profiler's Chrome trace (gzipped or not); a bare event list becomes {"traceEvents": [...]}."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        data = json.load(f)
+    return data if isinstance(data, dict) else {"traceEvents": data}

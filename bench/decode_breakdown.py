@@ -46,7 +46,6 @@ import argparse
 import bisect
 import concurrent.futures
 import glob
-import gzip
 import json
 import os
 import re
@@ -59,6 +58,7 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+import common  # noqa: E402 - bench/common.py (stdlib only)
 import serve_measure as sm  # noqa: E402 - stdlib only
 
 LABELS = {
@@ -92,11 +92,7 @@ MAIN_FAMILIES = tuple(LABELS)
 
 
 def family(name: str) -> str:
-    low = name.lower()
-    for fam, pat in FAMILIES:
-        if re.search(pat, low):
-            return fam
-    return "other"
+    return common.kernel_family(name, FAMILIES)
 
 
 ANNOTATION = re.compile(r"^execute_(?:\d+_)?context_(\d+)\((?:sq)?(\d+).*?_generation_(\d+)\((?:sq)?(\d+)")
@@ -108,11 +104,7 @@ class BadTrace(ValueError):
     pass
 
 
-def load_trace(path: str) -> dict[str, Any]:
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
-        data = json.load(f)
-    return data if isinstance(data, dict) else {"traceEvents": data}
+load_trace = common.load_trace
 
 
 def _cpu_kernels(events: list[dict[str, Any]]) -> list[dict[str, Any]]:

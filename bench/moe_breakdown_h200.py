@@ -63,17 +63,10 @@ FAMILIES: tuple[tuple[str, str], ...] = (
 
 
 def family(name: str) -> str:
-    low = name.lower()
-    for fam, pat in FAMILIES:
-        if re.search(pat, low):
-            return fam
-    return "other"
+    return common.kernel_family(name, FAMILIES)
 
 
-def load_trace(path: str) -> dict[str, Any]:
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
-        return json.load(f)
+load_trace = common.load_trace
 
 
 def summarize(trace: dict[str, Any], steps: int, wall_s: float) -> dict[str, Any]:

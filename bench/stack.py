@@ -1704,6 +1704,17 @@ class GpuQuiet:
 QUIET = GpuQuiet()
 
 
+def traffic(label: str, gpu: str | None, t_end: float, argv: list[str]) -> int | None:
+    """``dispatch(argv)`` as traffic of ``label`` on ``gpu`` (QUIET: not while a speed measurement runs
+    alone there); None when the series' deadline came first."""
+    if not QUIET.start(label, gpu, t_end):
+        return None
+    try:
+        return dispatch(argv)
+    finally:
+        QUIET.end(label)
+
+
 def run_series_queue(name: str, items: list[tuple[str, list[str], tuple[str, ...]]], gpu: str | None,
                      t_end: float, opts: dict[str, Any], after: str | None = None) -> None:
     """Each label in turn on one GPU: boot, wait, what its item asks for (steps resumed by the next run
@@ -1796,10 +1807,10 @@ def run_series_queue(name: str, items: list[tuple[str, list[str], tuple[str, ...
                 if t_end - time.time() < opts["guard_stress_s"] + SERIES_STRESS_EXTRA_S:
                     return
                 say(f"series: {label}: it serves; band traffic next, which the forced buffer cannot hold")
-                if not QUIET.start(label, gpu, t_end):
+                rc = traffic(label, gpu, t_end, ["stress", label, *opts["guard_stress"]])
+                if rc is None:
                     return
-                series_mark(label, guard_stress_rc=dispatch(["stress", label, *opts["guard_stress"]]))
-                QUIET.end(label)
+                series_mark(label, guard_stress_rc=rc)
                 continue
             steps_left = mark.get("steps_rc") != 0 and mark.get("steps_attempts", 0) < SERIES_STEPS_ATTEMPTS
             if "steps" in phases and steps_left:
@@ -1861,10 +1872,9 @@ def run_series_queue(name: str, items: list[tuple[str, list[str], tuple[str, ...
             if "stress" in phases and "stress_rc" not in mark and not logprobs_first:
                 if t_end - time.time() < opts["stress_s"] + SERIES_STRESS_EXTRA_S:
                     return  # a stress is not resumable: it starts only with room for all of it
-                if not QUIET.start(label, gpu, t_end):
+                rc = traffic(label, gpu, t_end, ["stress", label, *opts["stress"]])
+                if rc is None:
                     return
-                rc = dispatch(["stress", label, *opts["stress"]])
-                QUIET.end(label)
                 series_mark(label, stress_rc=rc, stress=stress_verdict(label))
                 if not alive(load_state(label)["pid"]):
                     series_mark(label, failed=f"the server died during the stress (exit {rc})")
@@ -1873,10 +1883,10 @@ def run_series_queue(name: str, items: list[tuple[str, list[str], tuple[str, ...
             if "logprobs" in phases and opts["logprobs"] is not None and "logprobs_rc" not in mark:
                 if t_end - time.time() < 30:
                     return
-                if not QUIET.start(label, gpu, t_end):
+                rc = traffic(label, gpu, t_end, ["logprobs", label, *opts["logprobs"]])
+                if rc is None:
                     return
-                series_mark(label, logprobs_rc=dispatch(["logprobs", label, *opts["logprobs"]]))
-                QUIET.end(label)
+                series_mark(label, logprobs_rc=rc)
                 continue
             if t_end - time.time() < 20:
                 return

@@ -4,7 +4,7 @@ parts of at most a given size, with a MANIFEST of their sha256 sums (sha256sum's
 zstd through the `zstd` command or the `zstandard` module (packing prefers the command, unpacking the
 module), whichever is there.
 
-  python3 bench/gpu/bundle.py pack FOLDER OUT [--part-size 56M] [--compression zstd|none] [--level 19] [--add FILE ...]
+  python3 bench/gpu/bundle.py pack FOLDER OUT [--part-size 48M] [--compression zstd|none] [--level 19] [--add FILE ...]
   python3 bench/gpu/bundle.py check STAGE     # exit 0: every part there and its sum matches;
                                               # 3: parts missing (named); 1: a sum differs (named)
   python3 bench/gpu/bundle.py unpack STAGE DEST
@@ -34,7 +34,7 @@ PART = "part{:02d}"
 def size_of(text: str) -> int:
     m = re.fullmatch(r"([0-9]+)([KMG]?)", text.strip().upper())
     if not m:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected bytes, e.g. 56M, 512K or 0 (one part)")
+        raise argparse.ArgumentTypeError(f"{text!r}: expected bytes, e.g. 48M, 512K or 0 (one part)")
     return int(m.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[m.group(2)]
 
 
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("pack")
     p.add_argument("folder")
     p.add_argument("out")
-    p.add_argument("--part-size", type=size_of, default=size_of("56M"))
+    p.add_argument("--part-size", type=size_of, default=size_of("48M"))
     p.add_argument("--compression", choices=("zstd", "none"), default="zstd")
     p.add_argument("--level", type=int, default=19, choices=range(1, 20), metavar="1-19",
                    help="zstd level (19: smallest; a payload of wheels, already deflated, packs almost "

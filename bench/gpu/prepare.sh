@@ -6,7 +6,7 @@
 #   ZSTD_LEVEL=9 bash bench/gpu/prepare.sh 0.33.0   # a release that carries torch: 2 minutes
 #
 # writes .gpu/VERSION/: part00, part01, ... (vLLM's wheel unpacked and the wheels it needs beyond the
-# host's packages, one zstd-compressed tar split into parts of at most PART_SIZE, default 56M, for a
+# host's packages, one zstd-compressed tar split into parts of at most PART_SIZE, default 48M, for a
 # transport that limits file size; PART_SIZE=0: one part), zstandard.whl (what the host needs to
 # unpack them) and MANIFEST (sha256 sums). Copy .gpu/VERSION/ to the host's checkout, in as many
 # copies as the transport needs, and run bench/gpu/device_install.sh VERSION there.
@@ -54,7 +54,7 @@ rm -f "$work/payload/site/vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so"
 rm -f "$work/payload/site/vllm/vllm-rs"
 echo "compressing $(du -sh "$work/payload" | cut -f1) ..."
 mkdir -p "$out"
-python3 "$here/bundle.py" pack "$work/payload" "$out" --part-size "${PART_SIZE:-56M}" --level "${ZSTD_LEVEL:-19}" \
+python3 "$here/bundle.py" pack "$work/payload" "$out" --part-size "${PART_SIZE:-48M}" --level "${ZSTD_LEVEL:-19}" \
   --add "$work/zstandard.whl"
 ls -la "$out"
 echo "done: vLLM $VLLM_VERSION in $out; on the GPU host: bash bench/gpu/device_install.sh $VLLM_VERSION"

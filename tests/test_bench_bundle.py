@@ -51,3 +51,23 @@ def test_parts_travel_in_pieces_and_unpack_whole(tmp_path, compression: str) -> 
     assert bundle("unpack", str(stage), str(tmp_path / "got")).returncode == 0
     assert (tmp_path / "got" / "wheels" / "fake-1.0-py3-none-any.whl").read_bytes() == blob
     assert (tmp_path / "got" / "site" / "vllm" / "__init__.py").read_text() == "__version__ = '9.9.9'\n"
+
+
+def test_prepare_without_a_wheel_list_names_both_ways_out(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A release with no device-wheels list: prepare.sh stops before downloading anything and says
+    how to get one (HOST_PACKAGES to make it, DEVICE_WHEELS to bring one); a HOST_PACKAGES file that
+    does not exist is named."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DEVICE_WHEELS", "HOST_PACKAGES")}
+    run = subprocess.run(["bash", os.path.join(GPU, "prepare.sh"), "9.9.9"], capture_output=True, text=True,
+                         env=env, cwd=GPU)
+    assert run.returncode == 2, run.stderr
+    assert "no wheel list for vLLM 9.9.9" in run.stderr
+    assert "HOST_PACKAGES=FILE" in run.stderr and "DEVICE_WHEELS=FILE" in run.stderr
+    missing = str(tmp_path / "freeze.txt")
+    run = subprocess.run(["bash", os.path.join(GPU, "prepare.sh"), "9.9.9"], capture_output=True, text=True,
+                         env={**env, "HOST_PACKAGES": missing}, cwd=GPU)
+    assert run.returncode == 2 and f"HOST_PACKAGES={missing}: no such file" in run.stderr, run.stderr
+    run = subprocess.run(["bash", os.path.join(GPU, "prepare.sh"), "9.9.9"], capture_output=True, text=True,
+                         env={**env, "DEVICE_WHEELS": missing}, cwd=GPU)
+    assert run.returncode == 2 and f"DEVICE_WHEELS={missing}: no such file" in run.stderr, run.stderr
+    assert not os.path.exists(os.path.join(GPU, "device-wheels-9.9.9.txt"))

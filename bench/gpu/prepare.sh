@@ -11,8 +11,9 @@
 # unpack them) and MANIFEST (sha256 sums). Copy .gpu/VERSION/ to the host's checkout, in as many
 # copies as the transport needs, and run bench/gpu/device_install.sh VERSION there.
 # DEVICE_WHEELS (default bench/gpu/device-wheels-VERSION.txt): the wheels the release needs beyond the
-# host's packages, one name==version a line (bench/gpu/README.md says how the lists were made;
-# bench/gpu/walk_requirements.py makes one).
+# host's packages, one name==version a line (bench/gpu/README.md says how the lists were made).
+# HOST_PACKAGES: the GPU host's `python3 -m pip list --format=freeze`; where the release has no list yet,
+# prepare.sh makes bench/gpu/device-wheels-VERSION.txt from it with bench/gpu/walk_requirements.py.
 # ZSTD_LEVEL (default 19): the compression level. A release that carries torch is 2.2 GB to pack, mostly
 # wheels (deflated already): on 2 busy cores level 9 packed 0.33.0 in about a minute, where level 19
 # had written 94 MB of parts after 4 minutes (2026-12-01).
@@ -26,8 +27,44 @@ if ! [[ "$VLLM_VERSION" =~ ^[0-9]+\.[0-9]+\.[0-9]+$ ]]; then
   echo "prepare.sh: VERSION '$VLLM_VERSION' is not a vLLM release number such as 0.26.0" >&2; exit 2
 fi
 out="$root/.gpu/$VLLM_VERSION"
-DEVICE_WHEELS=${DEVICE_WHEELS:-$here/device-wheels-$VLLM_VERSION.txt}
-[ -f "$DEVICE_WHEELS" ] || { echo "DEVICE_WHEELS=$DEVICE_WHEELS: no such file (expected a pip requirements list, one name==version a line)" >&2; exit 2; }
+if [ -n "${DEVICE_WHEELS:-}" ]; then
+  [ -f "$DEVICE_WHEELS" ] || { echo "DEVICE_WHEELS=$DEVICE_WHEELS: no such file (expected a pip requirements list, one name==version a line)" >&2; exit 2; }
+else
+  DEVICE_WHEELS="$here/device-wheels-$VLLM_VERSION.txt"
+fi
+if [ ! -f "$DEVICE_WHEELS" ]; then
+  # no list for this release yet: made from the host's packages with the decisions the proven lists
+  # were made with (bench/gpu/README.md, "vLLM 0.33.0": the image's numba, setuptools, numpy, cuBLAS,
+  # cuSPARSELt and transformers reused outside their pins; FlashInfer, CUTLASS DSL, QuACK, cuDNN and
+  # the other optional packages left out; the 0.26.0 list's versions preferred where a requirement
+  # allows them). torch, triton and NCCL are carried when the release pins another version than the
+  # host has.
+  if [ -z "${HOST_PACKAGES:-}" ]; then
+    echo "prepare.sh: no wheel list for vLLM $VLLM_VERSION ($DEVICE_WHEELS). Set HOST_PACKAGES=FILE, the GPU host's" \
+      "\`python3 -m pip list --format=freeze\`, to make one with bench/gpu/walk_requirements.py, or DEVICE_WHEELS=FILE" \
+      "to use a list of your own" >&2
+    exit 2
+  fi
+  [ -f "$HOST_PACKAGES" ] || { echo "HOST_PACKAGES=$HOST_PACKAGES: no such file (expected the GPU host's pip list --format=freeze)" >&2; exit 2; }
+  walk=(--prefer "$here/device-wheels-0.26.0.txt"
+        --reuse numba --reuse setuptools --reuse numpy --reuse cuda-toolkit --reuse nvidia-cublas
+        --reuse nvidia-cusparselt-cu13 --reuse transformers
+        --leave-out flashinfer-python --leave-out nvidia-cutlass-dsl --leave-out quack-kernels
+        --leave-out tilelang --leave-out tokenspeed-mla --leave-out humming-kernels --leave-out PyNvVideoCodec
+        --leave-out torchcodec --leave-out fastsafetensors --leave-out nvidia-cudnn-frontend
+        --leave-out instanttensor --leave-out nvidia-cudnn-cu13)
+  echo "no wheel list for vLLM $VLLM_VERSION: walking its requirements against $HOST_PACKAGES (metadata only, a few minutes) ..."
+  made="$(mktemp)"
+  python3 "$here/walk_requirements.py" "$VLLM_VERSION" --image "$HOST_PACKAGES" "${walk[@]}" \
+    > "$made" 2> "$made.decisions" || { cat "$made.decisions" >&2; rm -f "$made" "$made.decisions"; exit 1; }
+  { echo "# vLLM $VLLM_VERSION: the wheels beyond the host's packages, made by prepare.sh on $(date -u +%Y-%m-%d) with"
+    echo "# bench/gpu/walk_requirements.py $VLLM_VERSION --image $(basename "$HOST_PACKAGES") ${walk[*]//$root\//}"
+    echo "# (the decisions, requirement by requirement: $(basename "$DEVICE_WHEELS" .txt).decisions.txt)"
+    cat "$made"; } > "$DEVICE_WHEELS"
+  mv "$made.decisions" "${DEVICE_WHEELS%.txt}.decisions.txt"; rm -f "$made"
+  echo "wrote $DEVICE_WHEELS ($(grep -vc '^#' "$DEVICE_WHEELS") wheels) and ${DEVICE_WHEELS%.txt}.decisions.txt; review them" \
+    "(bench/gpu/README.md says what each decision means) before running the release on a GPU"
+fi
 if [ -f "$out/MANIFEST" ]; then
   echo "parts already in $out (delete the folder to rebuild)"; ls -la "$out"; exit 0
 fi

@@ -411,3 +411,49 @@ def test_memory_series_side_by_side_profiles_alone(state, monkeypatch) -> None: 
     argv = mem_argv["tq16k-vllm"]
     assert argv[argv.index("--device-fraction") + 1] == "0.97" and argv[argv.index("--phases", 3) + 1] == \
         "band,burst,mixed"
+
+
+def test_pair_alternates_the_servers_and_takes_the_ratio_pair_by_pair(state, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """bench/pair.py on two stand-in servers whose step times drift upward round after round (the machine
+    getting slower): the rounds go A B, B A, A B, ..., each pair with the same prompts, the ratio of a pair is
+    B's factor over A's whatever the drift, a round that measured nothing is made up, and a point that does
+    not fit a server's KV cache is skipped with the reason."""
+    sys.path.insert(0, BENCH)
+    import pair  # noqa: E402
+
+    sys.path.remove(BENCH)
+    args = {"mnbt": 8192, "max_model_len": 70000}
+    served("stock", os.getpid(), port=11, vllm_args=args)
+    served("overlay", os.getpid(), port=12, vllm_args=args)
+    (state / "state" / "overlay" / "serve.log").write_text("INFO GPU KV cache size: 100,000 tokens\n")
+    calls: list[tuple[int, list[list[int]]]] = []
+
+    def fake_round(port, model, prompts, max_tokens):  # type: ignore[no-untyped-def]
+        calls.append((port, prompts))
+        if len(calls) == 5:  # the first measured pair's second round (after 2 x 2 warm-ups): nothing measured
+            return [{"t_send": 0.0, "chunks": [], "tokens": 0, "error": "stand-in: no tokens"}] * len(prompts)
+        drift = 1 + 0.05 * len(calls)
+        return synthetic_round(len(prompts), 1, 0.05, 0.002 * drift * (1.25 if port == 12 else 1.0), max_tokens)
+
+    monkeypatch.setattr(stack, "run_round", fake_round)
+    out = state / "pair.json"
+    argv = ["stock", "overlay", "--streams", "1,2", "--contexts", "100,60000", "--tokens", "8", "--reps", "4",
+            "--out", str(out)]
+    assert pair.main(argv) == 0
+    res = json.load(open(out))
+    assert [w["label"] for w in res["warmups"]] == ["stock", "overlay"] * 2
+    pt = res["points"]["1x100"]
+    assert [p["order"] for p in pt["pairs"]] == ["stock overlay", "overlay stock"] * 2 + ["stock overlay"]
+    assert pt["pairs"][0]["ratio"] is None and pt["complete"] and pt["ratio"]["n"] == 4
+    # each pair's ratio is off by the drift between its two rounds (up to 5 %), one way or the other with the
+    # order; over two pairs in opposite orders it cancels to well under 1 %, while the servers' own step
+    # times moved by more than 10 %
+    assert 1.25 / 1.06 < pt["ratio"]["min"] < 1.25 < pt["ratio"]["max"] < 1.25 * 1.06
+    assert pt["ratio_abba"]["n"] == 2 and abs(pt["ratio_abba"]["median"] / 1.25 - 1) < 0.005
+    assert pt["a_ms"]["max"] > pt["a_ms"]["min"] * 1.1
+    measured = calls[4:]  # after the warm-ups: the two rounds of a pair get the same prompts
+    assert all(measured[i][1] == measured[i + 1][1] for i in range(0, 10, 2)) and measured[0][1] != measured[2][1]
+    assert "overlay: 2 streams x (60000 + " in res["skipped"]["2x60000"] and res["points"]["1x60000"]["complete"]
+    assert res["points"]["2x100"]["complete"]
+    with pytest.raises(SystemExit, match="both 'stock'"):
+        pair.main(["stock", "stock"])

@@ -12,8 +12,9 @@ streams at once, the step time read from the streamed tokens (`serve_measure.ste
 the ratio B / A of the two step times; per point the median ratio with its min-max and count
 (`ratio`), the same over two consecutive pairs run in opposite orders, their ratios' geometric mean,
 in which a drift linear over the four rounds cancels (`ratio_abba`: the one to quote; an even
---reps gives whole sets), and each server's own median, min-max and count. A round that measured nothing (an error, an
-empty window) leaves its pair out, and the point takes up to two more pairs to make up for it.
+--reps gives whole sets), and each server's own median, min-max and count. A round that measured
+nothing (an error, an empty window) leaves its pair out, and the point takes up to two more pairs to
+make up for it.
 
 Before the first point, --warmup uncounted rounds per stream count on each server (at the smallest
 context). A point whose streams do not fit a server's logged KV cache or its max_model_len is
@@ -61,12 +62,20 @@ def abba(valid: list[dict[str, Any]]) -> list[float]:
     return out
 
 
+def valid_pairs(pt: dict[str, Any]) -> list[dict[str, Any]]:
+    return [p for p in pt["pairs"] if p["ratio"] is not None]
+
+
 def summarize(pt: dict[str, Any]) -> None:
-    valid = [p for p in pt["pairs"] if p["ratio"] is not None]
+    valid = valid_pairs(pt)
     pt["a_ms"] = sm.stat([p["a"]["step_ms"] for p in valid])
     pt["b_ms"] = sm.stat([p["b"]["step_ms"] for p in valid])
     pt["ratio"] = sm.stat([p["ratio"] for p in valid])
     pt["ratio_abba"] = sm.stat(abba(valid))
+
+
+def spread(st: dict[str, Any] | None) -> str:
+    return f"{st['median']} ({st['min']}-{st['max']}, n={st['n']})" if st else "not measured"
 
 
 def limits(label: str, st: dict[str, Any]) -> tuple[int, int, float | None]:
@@ -117,9 +126,9 @@ def main(argv: list[str] | None = None) -> int:
 
     budget = min(lim[x][0] for x in labels)
     for n in streams:
+        mt = sm.max_tokens_for(n, min(contexts), a.tokens, budget)
         for w in range(a.warmup):
             for x in labels:
-                mt = sm.max_tokens_for(n, min(contexts), a.tokens, budget)
                 r = round_on(x, states[x], [sm.prompt_ids(min(contexts), "pair-warmup", n, w, i) for i in range(n)], mt)
                 res["warmups"].append({"label": x, "streams": n, **r})
                 stack.say(f"pair: warm-up {x} {n} x {min(contexts)}: step {r['step_ms']} ms"
@@ -129,11 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     for n, c in [(n, c) for n in streams for c in contexts]:
         key = stack.point_key(n, c)
         mt = sm.max_tokens_for(n, c, a.tokens, budget)
-        need = n * (c + mt)
-        why = next((f"{x}: context {c} + {mt} tokens exceeds max_model_len {lim[x][1]}" for x in labels
-                    if c + mt > lim[x][1]), None) or next(
-            (f"{x}: {n} streams x ({c} + {mt}) = {need} tokens exceed the KV cache ({int(lim[x][2])} tokens)"
-             for x in labels if lim[x][2] and need > lim[x][2]), None)
+        why = next((f"{x}: {m}" for x in labels if (m := stack.point_misfit(n, c, mt, lim[x][1], lim[x][2]))), None)
         if why:
             res["skipped"][key] = why
             stack.say(f"pair: {key}: SKIPPED: {why}")
@@ -142,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         pt: dict[str, Any] = {"streams": n, "context": c, "max_tokens": mt, "pairs": [], "complete": False}
         res["points"][key] = pt
         k = 0
-        while k < a.reps + SPARE_PAIRS and sum(p["ratio"] is not None for p in pt["pairs"]) < a.reps:
+        while k < a.reps + SPARE_PAIRS and len(valid_pairs(pt)) < a.reps:
             gone = dead()
             if gone:
                 res["server_died"] = gone
@@ -162,14 +167,12 @@ def main(argv: list[str] | None = None) -> int:
             stack.say(f"pair: {key} pair {k} ({pair['order']}): {a.a} {ra} ms, {a.b} {rb} ms, {a.b} / {a.a} "
                       f"{pair['ratio']}" + "".join(f", {x} ERRORS {got[x]['errors'][:2]}" for x in labels
                                                   if got[x]["errors"]))
-        pt["complete"] = sum(p["ratio"] is not None for p in pt["pairs"]) >= a.reps
+        pt["complete"] = len(valid_pairs(pt)) >= a.reps
         failed |= not pt["complete"]
         save()
-        r, q = pt["ratio"], pt["ratio_abba"]
         stack.say(f"pair: {key}: {a.a} {(pt['a_ms'] or {}).get('median')} ms, {a.b} {(pt['b_ms'] or {}).get('median')} "
-                  f"ms, {a.b} / {a.a} per pair " + (f"{r['median']} ({r['min']}-{r['max']}, n={r['n']})" if r else
-                                                    "not measured")
-                  + (f", per two pairs in opposite orders {q['median']} ({q['min']}-{q['max']}, n={q['n']})" if q else "")
+                  f"ms, {a.b} / {a.a} per pair {spread(pt['ratio'])}"
+                  + (f", per two pairs in opposite orders {spread(pt['ratio_abba'])}" if pt["ratio_abba"] else "")
                   + ("" if pt["complete"] else f": NOT DONE ({a.reps} pairs asked)"))
     stack.say(f"pair: wrote {path}")
     return 4 if failed else 0

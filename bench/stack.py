@@ -581,6 +581,18 @@ def point_key(streams: int, context: int) -> str:
     return f"{streams}x{context}"
 
 
+def point_misfit(streams: int, context: int, max_tokens: int, max_len: int, kv_tokens: float | None) -> str | None:
+    """Why `streams` prompts of `context` tokens asking for `max_tokens` each cannot run on a server, or None:
+    a request longer than max_model_len, or more tokens than its logged KV cache (unknown: not checked)."""
+    need = streams * (context + max_tokens)
+    if context + max_tokens > max_len:
+        return f"context {context} + {max_tokens} tokens exceeds max_model_len {max_len}"
+    if kv_tokens and need > kv_tokens:
+        return (f"{streams} streams x ({context} + {max_tokens}) = {need} tokens exceed the KV cache "
+                f"({int(kv_tokens)} tokens)")
+    return None
+
+
 def cmd_steps(a: argparse.Namespace) -> int:
     st = load_state(a.label)
     if wait(a.label, 1) != 0:
@@ -650,11 +662,7 @@ def cmd_steps(a: argparse.Namespace) -> int:
             break
         mt = sm.max_tokens_for(n, c, a.tokens, budget)
         need = n * (c + mt)
-        why = None
-        if c + mt > max_len:
-            why = f"context {c} + {mt} tokens exceeds max_model_len {max_len}"
-        elif kv_tokens and need > kv_tokens:
-            why = f"{n} streams x ({c} + {mt}) = {need} tokens exceed the KV cache ({int(kv_tokens)} tokens)"
+        why = point_misfit(n, c, mt, max_len, kv_tokens)
         if why:
             res["skipped"][key] = why
             say(f"{a.label}: steps {key}: SKIPPED: {why}")

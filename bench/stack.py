@@ -1664,8 +1664,8 @@ WINDOWS = GpuWindows()
 
 class GpuQuiet:
     """Speed measurements of a series run alone on their GPU: ``alone`` waits until no other server of the
-    series on that GPU boots or serves traffic, and boots and traffic there wait while it measures. The
-    waits end at the series' deadline (False: the next run goes on)."""
+    series on that GPU boots, serves traffic or is being stopped, and boots, traffic and stops there wait
+    while it measures. The waits end at the series' deadline (False: the next run goes on)."""
 
     def __init__(self) -> None:
         self.cv = threading.Condition()
@@ -1900,11 +1900,18 @@ def run_series_queue(name: str, items: list[tuple[str, list[str], tuple[str, ...
                 return
             if opts.get("profile_alone") and not WINDOWS.traffic_start(label, gpu, t_end):
                 return  # a stop frees memory: not during another server's profiling window
+            # nor during another's speed measurement alone on the GPU: the server's teardown loads the host
+            stopping = QUIET.start(label, gpu, t_end)
             try:
-                dispatch(["stop", label])
+                if stopping:
+                    dispatch(["stop", label])
             finally:
+                if stopping:
+                    QUIET.end(label)
                 if opts.get("profile_alone"):
                     WINDOWS.traffic_end(gpu)
+            if not stopping:
+                return
             series_mark(label, done=True)
 
 

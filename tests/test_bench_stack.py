@@ -312,16 +312,17 @@ def test_servers_side_by_side_start_after_the_first_sized_its_kv_cache(state, mo
 
 def test_speed_steps_run_alone_on_their_gpu(state, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Series release, two servers on GPU 0: bf16-overlay's decode steps start only once tq-mtp-on's logprobs
-    and stress (traffic on the same GPU) are over, and no traffic starts while they measure."""
+    and stress (traffic on the same GPU) are over, and no traffic starts while they measure, nor a stop (a
+    server's teardown, seen on a GPU host to overlap the next server's measured rounds)."""
     servers, spans = [], {}
 
     def fake_dispatch(argv: list[str]) -> int:
         if argv[0] == "boot":
             servers.append(subprocess.Popen(["sleep", "120"], start_new_session=True))
             served(argv[1], servers[-1].pid, vllm_args={"kv_cache_memory_bytes": 1})
-        elif argv[0] in ("logprobs", "stress", "steps"):
+        elif argv[0] in ("logprobs", "stress", "steps", "stop"):
             t0 = time.time()
-            time.sleep(0.4)
+            time.sleep(3 if argv[0] == "stop" else 0.4)  # a stop longer than the series' polls
             spans[(argv[1], argv[0])] = (t0, time.time())
         return 0
 
@@ -339,6 +340,7 @@ def test_speed_steps_run_alone_on_their_gpu(state, monkeypatch) -> None:  # type
     assert all(steps[0] >= end or start >= steps[1] for (label, _), (start, end) in spans.items()
                if label != "bf16-overlay"), spans
     assert steps[0] >= spans[("tq-mtp-on", "stress")][1]
+    assert ("tq-mtp-on", "stop") in spans and ("bf16-overlay", "stop") in spans
 
 
 def test_series_stops_when_a_worker_built_another_runner(state, capsys) -> None:  # type: ignore[no-untyped-def]

@@ -1900,17 +1900,12 @@ def run_series_queue(name: str, items: list[tuple[str, list[str], tuple[str, ...
                 return
             if opts.get("profile_alone") and not WINDOWS.traffic_start(label, gpu, t_end):
                 return  # a stop frees memory: not during another server's profiling window
-            # nor during another's speed measurement alone on the GPU: the server's teardown loads the host
-            stopping = QUIET.start(label, gpu, t_end)
-            try:
-                if stopping:
-                    dispatch(["stop", label])
+            try:  # nor during another's speed measurement alone on the GPU: the teardown loads the host
+                rc = traffic(label, gpu, t_end, ["stop", label])
             finally:
-                if stopping:
-                    QUIET.end(label)
                 if opts.get("profile_alone"):
                     WINDOWS.traffic_end(gpu)
-            if not stopping:
+            if rc is None:
                 return
             series_mark(label, done=True)
 

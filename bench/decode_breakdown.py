@@ -10,8 +10,10 @@ Boots a server with `bench/stack.py boot` (bf16 KV, no MTP, graphs captured up t
 (`--url`; it must run with `--profiler-config '{"profiler":"torch","torch_profiler_dir":DIR}'` and
 DIR is `--trace-dir`). Per stream count: one unprofiled round of streamed completions (the step time
 without the profiler, `serve_measure.step_stats`), then POST /start_profile (with a profile_prefix),
-the same streams again, POST /stop_profile, and the worker's trace (`PREFIX_dp0_..._rank0.*.pt.trace
-.json.gz`) is read.
+the same streams again, POST /stop_profile, and the worker's trace
+(`PREFIX_dp0_..._rank0.*.pt.trace.json.gz`) is read. A trace without one step where every stream
+decodes (a later request reached the scheduler after the first stream had finished) is profiled
+again with twice the tokens, up to PROFILE_ATTEMPTS rounds, each retry said on stderr.
 
 Steps are the worker's `execute_context_C(..)_generation_G(..)` annotations (vLLM's
 `annotate_profile`); a decode step is one with C = 0 and G = streams, its wall time the interval to
@@ -104,7 +106,12 @@ class BadTrace(ValueError):
     pass
 
 
+class NoFullStep(BadTrace):
+    """The trace holds steps, but none with every stream decoding (the requests reached the scheduler apart)."""
+
+
 load_trace = common.load_trace
+PROFILE_ATTEMPTS = 3  # profiled rounds per stream count before a trace without a full decode step is an error
 
 
 def _cpu_kernels(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -162,7 +169,7 @@ def analyse(trace: dict[str, Any], streams: int) -> dict[str, Any]:
             chosen.append(i)
     if not chosen:
         seen = sorted({str(a["name"]) for a in anns})[:8]
-        raise BadTrace(f"no decode step of {streams} streams in the trace (annotations seen: {seen}); expected "
+        raise NoFullStep(f"no decode step of {streams} streams in the trace (annotations seen: {seen}); expected "
                        f"steps annotated execute_context_0(0)_generation_{streams}({streams})")
     fam_us = {f: 0.0 for f in MAIN_FAMILIES}
     names: dict[str, list[float]] = {}
@@ -303,16 +310,27 @@ def measure(url: str, trace_dir: str, streams: int, steps: int, context: int, mn
     port, model = int(url.rsplit(":", 1)[1].split("/")[0]), served_model(url)
     max_tokens = sm.max_tokens_for(streams, context, steps, mnbt)
     plain = sm.step_stats(run_round(port, model, streams, context, max_tokens, f"plain-{streams}"))
-    prefix = f"decbd-s{streams}-{int(time.time())}"
-    post(url, "/start_profile", {"profile_prefix": prefix})
-    try:
-        got = run_round(port, model, streams, context, max_tokens, f"prof-{streams}")
-    finally:
-        post(url, "/stop_profile")
-    path = new_trace(trace_dir, prefix, 300)
-    res = analyse(load_trace(path), streams)
+    for attempt in range(1, PROFILE_ATTEMPTS + 1):
+        prefix = f"decbd-s{streams}-{int(time.time())}-a{attempt}"
+        post(url, "/start_profile", {"profile_prefix": prefix})
+        try:
+            got = run_round(port, model, streams, context, max_tokens, f"prof-{streams}-{attempt}")
+        finally:
+            post(url, "/stop_profile")
+        path = new_trace(trace_dir, prefix, 300)
+        try:
+            res = analyse(load_trace(path), streams)
+            break
+        except NoFullStep as exc:
+            if attempt == PROFILE_ATTEMPTS:
+                raise NoFullStep(f"{exc}; {PROFILE_ATTEMPTS} profiled rounds, the last with max_tokens {max_tokens}") from None
+            max_tokens *= 2  # a later stream's request reached the scheduler after the first had finished
+            print(f"decode_breakdown: {streams} stream(s): profiled round {attempt} of {PROFILE_ATTEMPTS} had no step with all "
+                  f"{streams} decoding (the requests reached the scheduler apart); profiling again with max_tokens {max_tokens}",
+                  file=sys.stderr)
     res.update({"step_ms_unprofiled": plain.get("step_ms"), "step_ms_profiled_stream": sm.step_stats(got).get("step_ms"),
-                "trace": path, "errors": sorted({s["error"] for s in got if s.get("error")})})
+                "trace": path, "profiled_rounds": attempt, "max_tokens_profiled": max_tokens,
+                "errors": sorted({s["error"] for s in got if s.get("error")})})
     return res
 
 

@@ -48,6 +48,25 @@ def test_floors_and_bad_options() -> None:
         assert said in str(e.value)
 
 
+def test_profiled_round_again_when_no_step_has_every_stream(monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    """The server is stood in (no HTTP here): the first trace has the two streams apart, the second together."""
+    def trace(gens: list[int]) -> dict:
+        return {"traceEvents": [{**X, "cat": "user_annotation", "name": f"execute_context_0(0)_generation_{g}({g})",
+                                 "ts": 1000 * i, "dur": 50} for i, g in enumerate(gens)]}
+    traces, asked = [trace([1, 1, 1, 1]), trace([2, 2, 2, 2])], []
+    monkeypatch.setattr(db, "served_model", lambda url: "m")
+    monkeypatch.setattr(db, "post", lambda *a, **k: None)
+    monkeypatch.setattr(db, "run_round", lambda port, model, n, ctx, mt, tag: asked.append(mt) or [])
+    monkeypatch.setattr(db, "new_trace", lambda d, prefix, w: prefix)
+    monkeypatch.setattr(db, "load_trace", lambda p: traces.pop(0))
+    r = db.measure("http://127.0.0.1:1", "/t", 2, 6, 16, 2048)
+    assert asked == [7, 7, 14] and r["profiled_rounds"] == 2 and r["decode_steps"] == 3
+    assert "profiled round 1 of 3 had no step with all 2 decoding" in capsys.readouterr().err
+    traces[:] = [trace([1, 1])] * 3
+    with pytest.raises(db.NoFullStep, match="3 profiled rounds, the last with max_tokens 28"):
+        db.measure("http://127.0.0.1:1", "/t", 2, 6, 16, 2048)
+
+
 @pytest.mark.engine
 def test_cpu_serve_trace_end_to_end(tmp_path) -> None:  # type: ignore[no-untyped-def]
     env = {**os.environ, "STACK_STATE_DIR": str(tmp_path / "state"), "OUT": str(tmp_path)}

@@ -1319,7 +1319,7 @@ def tqspec_verdict(runs: dict[str, dict[str, Any]], pairs: dict[str, Any]) -> li
         off, on = state.get("off" + runner), state.get("on" + runner)
         if off is None and on is None:
             continue
-        head = f"conclusion{' (V2)' if runner else ''}: "
+        head = f"conclusion ({runner.strip() or 'V1'}): "
         if on == "differs":
             out.append(head + f"the PATCH GIVES OTHER LOGITS than TurboQuant without MTP on this release "
                        f"({TQSPEC_PATCH} on)")
@@ -1332,6 +1332,9 @@ def tqspec_verdict(runs: dict[str, dict[str, Any]], pairs: dict[str, Any]) -> li
         elif off == "equal" and on == "equal":
             out.append(head + "REFUTED: stock vLLM's verify steps match no MTP on this release: the source reading "
                        "(replays attend to the new tokens only) does not hold here; the patch matches too")
+        elif off is None and on == "no reference":
+            out.append(head + "not tested by this run: its labels have no TurboQuant run without MTP to compare "
+                       f"with, nor one with {TQSPEC_PATCH} off")
         else:
             out.append(head + f"none yet (stock path: {off or 'not run'}; the patch: {on or 'not run'})")
     return out

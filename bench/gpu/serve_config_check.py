@@ -1,24 +1,28 @@
 """The engine configuration each boot of a bench/stack.py series would build on the H200, checked on
 a CPU machine against a staged vLLM: the `vllm serve` arguments stack.py gives the label
-(stack.serve_args), parsed by that vLLM's own `vllm serve` parser, in the label's server environment
+(stack.serve_args; --gpu-memory-utilization at stack's default, not the series' share of its
+"mem_total", which sizes nothing the config builds), parsed by that vLLM's own `vllm serve` parser
+(vllm.entrypoints.cli.serve's), in the label's server environment
 (stack.server_env: its configuration's overlay settings and its --env variables, such as
 VLLM_USE_V2_MODEL_RUNNER=1), then vLLM's engine config built from them after vLLM's plugins (the
-overlay) loaded, as in the API server. One process per label.
+overlay) loaded, with the API server's usage context (its defaults: max_num_seqs 1024 on an H200),
+as in the API server. One process per label.
 
   LD_LIBRARY_PATH=STUB_DIR PYTHONPATH=SCRATCH/site python bench/gpu/serve_config_check.py \
-      [--series v2-bf16|tqspec] [--labels v2-overlay,...]
+      [--series v2-bf16|tqspec|release|memory|...] [--labels v2-overlay,...]
 
-(the environment of bench/gpu/README.md's CPU rehearsal: a Python 3.12 like the H200 image's, vLLM
-0.26.0 and its wheels unpacked by device_install.sh with DEVICE_TMP set). What cannot run on CPU is
+(the environment of bench/gpu/README.md's CPU rehearsal: a Python 3.12 like the H200 image's, the
+release and its wheels unpacked by device_install.sh with DEVICE_TMP set). What cannot run on CPU is
 stood in for as in import_check.py, and only that: the CUDA driver (STUB_DIR's libcuda.so.1), the
-GPU (vLLM's platform set to its CUDA class reporting an H200), Triton's driver (taken as present for
-the engine config, where Model Runner V2 would otherwise be refused).
+GPU (vLLM's platform set to its CUDA class reporting an H200), Triton's driver (reporting itself
+active before vLLM looks, and taken as present for the engine config, where Model Runner V2 would
+otherwise be refused).
 
 Prints per label: whether the engine config builds, use_v2_model_runner, the model's architecture
 and hybrid flag, compilation mode, CUDA graph mode and capture sizes, max_num_batched_tokens,
 max_num_seqs, prefix caching, KV cache dtype and the layers it skips, the speculative method and
-tokens, the GDN prefill backend, and the overlay's patch statuses in that process. Exit 1 when a label's config does not build or builds another model runner
-than the series expects.
+tokens, the GDN prefill backend, and the overlay's patch statuses in that process. Exit 1 when a
+label's config does not build or builds another model runner than the series expects.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import stack  # noqa: E402 - bench/stack.py
 def child(model: str, args: list[str]) -> dict[str, Any]:
     import import_check
 
+    import_check.triton_driver_active()  # before vLLM looks (0.33.0's Mamba SSD kernels read their configs at import)
     import_check.fake_h200()
     from vllm.plugins import load_general_plugins
 
@@ -51,12 +56,17 @@ def child(model: str, args: list[str]) -> dict[str, Any]:
 
     config_vllm.HAS_TRITON = True  # Triton has no driver on CPU; on the H200 it has one
     from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
+    import vllm.entrypoints.cli.serve as serve_cli  # `vllm serve`'s own parser, wherever the release keeps it
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    ns = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", model, *args])
-    validate_parsed_serve_args(ns)
-    cfg = AsyncEngineArgs.from_cli_args(ns).create_engine_config()
+    if not hasattr(serve_cli, "make_arg_parser"):  # vllm.entrypoints.common.cli_args in 0.33.0, openai's before
+        import vllm.entrypoints.openai.cli_args as serve_cli
+    ns = serve_cli.make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", model, *args])
+    serve_cli.validate_parsed_serve_args(ns)
+    from vllm.usage.usage_lib import UsageContext
+
+    # the API server's usage context: its defaults (max_num_seqs 1024 on an H200) are not the bare config's (128)
+    cfg = AsyncEngineArgs.from_cli_args(ns).create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
     from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import _resolve_gdn_prefill_backend
 
     cc = cfg.compilation_config

@@ -1417,10 +1417,11 @@ def memory_verdict(runs: dict[str, dict[str, Any]], pairs: dict[str, Any]) -> li
                      f"{'would be ' if h.get('dry_run') else ''}given up)")
         parts = []
         for ph_name, ph in m.get("phases", {}).items():
-            wins = [w.get("window") or {} for w in (ph.get("workers") or {}).values()]
+            wins = [(w.get("window") or {}, w.get("whole_process")) for w in (ph.get("workers") or {}).values()]
             peaks = "; ".join(f"peak {x['runtime_peak'] / 2**30:.3f} GiB, {'OVER' if x['over_budget'] > 0 else 'within'}"
-                              f" the reservation by {abs(x['over_budget']) / 2**30:.3f}" for x in wins
-                              if "runtime_peak" in x) or "no window"
+                              f" the reservation by {abs(x['over_budget']) / 2**30:.3f}"
+                              + (" (the whole process's resident set, not an allocator peak)" if whole else "")
+                              for x, whole in wins if "runtime_peak" in x) or "no window"
             parts.append(f"{ph_name} {ph.get('requests_ok')} ok / {ph.get('requests_failed')} failed, "
                          f"{'OUT OF MEMORY, ' if ph.get('oom') else ''}{'' if ph.get('server_alive') else 'DEAD, '}{peaks}")
         state = ("never served: " + str(r.get("failure_class") or "-") if r.get("healthy_after_s") is None

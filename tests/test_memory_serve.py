@@ -1,0 +1,51 @@
+"""bench/memory_serve.py (`bench/stack.py memory`) against a real `vllm serve` of the CPU build with the
+tiny hybrid: every phase sends its traffic and records memory-headroom's window from the worker's
+report; a second step against the same server opens windows after the ones the worker holds."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STACK = [sys.executable, os.path.join(ROOT, "bench", "stack.py")]
+pytestmark = pytest.mark.engine
+
+
+def test_memory_phases_on_a_cpu_server(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    env = {**os.environ, "STACK_STATE_DIR": str(tmp_path / "state"), "OUT": str(tmp_path / "out"),
+           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
+
+    def stack(*argv: str, timeout: float = 600) -> subprocess.CompletedProcess:  # type: ignore[type-arg]
+        return subprocess.run([*STACK, *argv], env=env, capture_output=True, text=True, timeout=timeout)
+
+    boot = stack("boot", "mem", "--model", "tiny", "--config", "overlay", "--kv", "auto", "--mtp", "0", "--mnbt", "2048",
+                 "--max-model-len", "4096", "--port", "8143", "--max-num-seqs", "16", "--mem", "0.3",
+                 "--extra=--enforce-eager", "--wait", "600")
+    try:
+        assert boot.returncode == 0, boot.stdout[-3000:] + boot.stderr[-3000:]
+        p = stack("memory", "mem", "--phases", "longest,band,burst,mixed", "--band-seconds", "5", "--min-band", "1",
+                  "--mixed-tokens", "32")
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        d = json.load(open(tmp_path / "state" / "mem" / "memory.json"))
+        assert d["done"] and d["config"]["max_num_seqs"] == 16 and d["config"]["max_num_seqs_source"] == "the worker's report"
+        ph = d["phases"]
+        assert [ph[n]["seq"] for n in ("longest", "band", "burst", "mixed")] == [1, 3, 5, 7]
+        assert ph["longest"]["prompt_tokens"] == 4095 and ph["burst"]["prompts"] == 16 and ph["mixed"]["streams"] == 15
+        for name, x in ph.items():
+            assert x["requests_failed"] == 0 and x["requests_ok"] >= 1 and x["server_alive"] and not x["oom"], (name, x)
+            (w,) = x["workers"].values()
+            assert w["window"]["name"] == name and w["meter"] == "resident set (VmRSS / VmHWM)" and w["whole_process"]
+        rec = d["headroom"][next(iter(d["headroom"]))]["records"][0]
+        assert rec["kv_tokens_after"] <= rec["kv_tokens_before"] and not rec["dry_run"]
+        # the CPU meter's excess over the reservation is said as the whole process's, never as the forwards'
+        assert "OVER budget" not in p.stdout and p.stdout.count("worker runtime peak") == 4
+        again = stack("memory", "mem", "--phases", "burst", "--out", "again")
+        assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+        assert json.load(open(tmp_path / "state" / "mem" / "again.json"))["phases"]["burst"]["seq"] == 9
+    finally:
+        stack("stop", "mem", timeout=120)

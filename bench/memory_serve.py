@@ -26,7 +26,9 @@ device), requests ok / failed, and whether the server is alive, with any out-of-
 log. A phase after which the server is dead ends the step (exit 1: the series marks the label FAILED
 and keeps its log); phases already measured are kept in
 LABEL/memory.json and skipped when the same command runs again (exit 3: --budget-s left no room
-for the next phase). Without memory-headroom's watch (the overlay off, or the patch off) the device
+for the next phase); window numbers go on after the last one the workers hold, so a second step
+against the same server (another --out) is not answered by the first step's windows. Without
+memory-headroom's watch (the overlay off, or the patch off) the device
 numbers and the outcome are still recorded.
 """
 

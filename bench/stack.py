@@ -36,8 +36,8 @@ tree's src/ goes first on PYTHONPATH. State lives in /tmp/stack/LABEL ($STACK_ST
 `$OUT/LABEL/` (or bench/results/stack/LABEL without $OUT): summary.json (merged over the steps run on
 this machine), serve.log (its last 400 kB), reports/, stress/, decode.json, steps.json, NAME.json.
 With `--compact` (or STACK_COMPACT=1) a step writes one file per label instead, `$OUT/LABEL.json`
-(summary, result files, the overlay's reports, the log's last 150 kB), for copying results off a
-host. `merge` and `compare` read either form.
+(summary, result files, the overlay's reports, the log's first 60 kB and last 150 kB), for copying
+results off a host. `merge` and `compare` read either form.
 
 Every server gets the caller's environment less its overlay settings: other variables, such as
 VLLM_USE_V2_MODEL_RUNNER, pass through; `--env` sets more for one server and the state records the
@@ -93,7 +93,18 @@ MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1
                  "VLLM_ALLREDUCE_USE_SYMM_MEM": "0"}
 SPEC_METRIC = re.compile(r"^(vllm:spec_decode_num_(?:drafts|draft_tokens|accepted_tokens)_total)(\{[^}]*\})? "
                          r"([0-9.e+-]+)$")
-LOG_TAIL = 150_000  # bytes of serve.log in a compact bundle
+LOG_TAIL = 150_000  # bytes of serve.log's end in a compact bundle
+LOG_HEAD = 60_000  # ... and of its start: the boot, where vLLM names the kernels and methods it chose
+
+
+def log_excerpt(raw: bytes, head: int, tail: int) -> str:
+    """A log's first `head` and last `tail` bytes, with one line saying how many were left out between."""
+    if len(raw) <= head + tail:
+        return raw.decode(errors="replace")
+    cut = raw.rfind(b"\n", 0, head) + 1 or head  # whole lines
+    end = raw.find(b"\n", len(raw) - tail - 1) + 1 or len(raw) - tail
+    return (raw[:cut].decode(errors="replace") + f"[... {end - cut} bytes of this log left out of the bundle ...]\n"
+            + raw[end:].decode(errors="replace"))
 
 
 def say(msg: str) -> None:
@@ -1015,10 +1026,9 @@ def collect(label: str) -> None:
         reports = overlay_reports(d)
         stress = os.path.join(d, "stress", "stress.json")
         logs = {}
-        for name, limit in (("serve.log", LOG_TAIL), ("stress.log", 20_000)):
+        for name, head, limit in (("serve.log", LOG_HEAD, LOG_TAIL), ("stress.log", 0, 20_000)):
             if os.path.exists(os.path.join(d, name)):
-                raw = open(os.path.join(d, name), "rb").read()
-                logs[name] = raw[-limit:].decode(errors="replace")
+                logs[name] = log_excerpt(open(os.path.join(d, name), "rb").read(), head, limit)
         bundle = {"label": label, "written_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                   "summary": s, "files": {**result_files(label), "state.json": load_state(label)},
                   "stress": json.load(open(stress)) if os.path.exists(stress) else None,

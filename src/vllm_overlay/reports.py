@@ -61,6 +61,14 @@ def scan(directory: str, since: float | None = None, server: str | None = None) 
     return out
 
 
+def where(rep: dict[str, Any]) -> str:
+    """Where a loaded report came from: its file, or the engine core's file it was gathered in (a
+    worker's report that ``expand`` took from its engine core's has no file of its own)."""
+    if rep.get("_path"):
+        return str(rep["_path"])
+    return f"gathered in {rep.get('_via') or 'an engine core report'}"
+
+
 def expand(rep: dict[str, Any]) -> list[dict[str, Any]]:
     """``rep`` and the worker reports its engine core gathered (each with ``_via``: the file they
     came in). Where no step ran since the gather, the ranks' reports are as current as the engine

@@ -102,7 +102,7 @@ def runner_lines(version: str | None, environ: dict[str, str] | None = None) -> 
         last = max(built, key=lambda r: r.get("written", 0))
         runner = last["runner"]
         out.append((f"model runner: {runner['kind']} ({runner['class']}), built by pid {last['pid']} "
-                    f"(report {last['_path']})", None))
+                    f"(report {reports.where(last)})", None))
         for pid, rec in sorted(last.get("patches", {}).items()):
             missing = (rec.get("runner") or {}).get("missing")
             if missing:

@@ -20,7 +20,7 @@ def runner(inst: versions.Installed, environ: Mapping[str, str] | None = None) -
         built = []
     if built:
         last = max(built, key=lambda r: r.get("written", 0))
-        return last["runner"]["kind"], f"built by pid {last['pid']}, report {last['_path']}"
+        return last["runner"]["kind"], f"built by pid {last['pid']}, report {reports.where(last)}"
     return levels.expected_runner(inst.version, inst.platform, environ)
 
 

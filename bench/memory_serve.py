@@ -151,13 +151,12 @@ def peak_words(worker: dict[str, Any]) -> str:
     (the API requests, the scheduler's blocks and the modules as well as the forwards): its excess over the
     reservation is said as such, not as the forwards going over it."""
     x = worker["window"]
-    words = (f"; worker runtime peak {x['runtime_peak'] / 2**30:.3f} GiB, "
-             f"{'OVER' if x['over_budget'] > 0 else 'under'} budget by {abs(x['over_budget']) / 2**30:.3f} GiB")
-    if worker.get("whole_process") and x["over_budget"] > 0:
-        words = (f"; worker runtime peak {x['runtime_peak'] / 2**30:.3f} GiB, {x['over_budget'] / 2**30:.3f} GiB "
-                 f"above the budget on the whole process's {worker.get('meter') or 'resident set'} (more than "
-                 "the forwards: no allocator peak on this build)")
-    return words
+    over = x["over_budget"] / 2**30
+    words = f"; worker runtime peak {x['runtime_peak'] / 2**30:.3f} GiB, "
+    if worker.get("whole_process") and over > 0:
+        return words + (f"{over:.3f} GiB above the budget on the whole process's {worker.get('meter') or 'resident set'}"
+                        " (more than the forwards: no allocator peak on this build)")
+    return words + f"{'OVER' if over > 0 else 'under'} budget by {abs(over):.3f} GiB"
 
 
 def window_of(report_dir: str, seq: int) -> dict[str, Any]:

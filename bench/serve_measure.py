@@ -157,8 +157,9 @@ def step_stats(streams: list[dict[str, Any]]) -> dict[str, Any]:
         inside = [c for c in s["chunks"] if start <= c[0] <= end]
         n = sum(c[1] for c in inside[1:])
         gaps = [b[0] - a[0] for a, b in zip(inside, inside[1:])]
-        if gaps and 2 * sum(g < BUNCHED_S for g in gaps) > len(gaps):
-            bunched.append(f"{sum(g < BUNCHED_S for g in gaps)} of {len(gaps)}")
+        close = sum(g < BUNCHED_S for g in gaps)
+        if 2 * close > len(gaps):
+            bunched.append(f"{close} of {len(gaps)}")
         if n:
             span = inside[-1][0] - inside[0][0]
             per_stream.append(span / n)

@@ -1449,6 +1449,8 @@ SERIES["memory"] = {
     "do": ("memory",),
     "fallbacks": ("headroom",),
     "verdict": memory_verdict,
+    # labels that share compiled graphs (memory-headroom's dry run is outside vLLM's compile-cache key)
+    "warm_groups": (("tq16k-headroom", "tq16k-vllm"), ("bf16-8k-headroom", "bf16-8k-vllm"), ("tq16k-mtp-v1",)),
     "memory_by_label": {"tq16k-mtp-v1": "--phases burst,mixed", "tq16k-vllm": "--phases band,burst,mixed",
                         "bf16-8k-vllm": "--phases burst,mixed"},
     # the three cold compiles first, the warm second boots of a pair after them
@@ -1737,6 +1739,82 @@ def traffic(label: str, gpu: str | None, t_end: float, argv: list[str]) -> int |
         QUIET.end(label)
 
 
+WARM_KV_BYTES = 2684354560  # a warm-up boot's fixed KV cache (2.5 GiB): no profiling, several fit side by side
+WARM_MEM = 0.05  # its --mem: with a fixed KV cache vLLM only checks that this much of the GPU is free at start
+WARM_PORT_OFFSET = 100  # a warm-up boot serves on its label's port + this
+WARM_BOOT_S = 900.0  # the longest a warm-up boot may take to serve
+
+
+def compile_source(log_text: str) -> str:
+    """Where a boot's compiled graphs came from, by vLLM's own log lines: "loaded from the cache",
+    "compiled" (N graphs, M of them loaded), or "no compile line" (eager, or a log cut short)."""
+    loaded = log_text.count("Directly load the compiled graph")
+    compiled = log_text.count("Compiling a graph for")
+    if compiled:
+        return f"compiled ({compiled} graph(s) compiled, {loaded} loaded from the cache)"
+    return "loaded from the cache" if loaded else "no compile line"
+
+
+def warm_label(label: str) -> str:
+    return f"warm-{label}"
+
+
+def warm_plan(spec: dict[str, Any], labels: list[str]) -> list[str]:
+    """The labels whose configuration a warm-up boot compiles first: of each of the series' "warm_groups"
+    (labels whose boots differ only in what vLLM's compile-cache key leaves out, so they share compiled
+    graphs and Triton kernels), the first one asked for, while none of the group has booted. Empty when
+    fewer than two groups need it: one cold compile is cheaper inside its own window than a warm-up boot
+    and a warm window after it."""
+    out = []
+    for group in spec.get("warm_groups", ()):
+        asked = [x for x in group if x in labels]
+        if asked and all(series_state(x) is None for x in asked):
+            out.append(asked[0])
+    return out if len(out) >= 2 else []
+
+
+def warm_up(name: str, plan: list[tuple[str, list[str], str | None]], t_end: float) -> None:
+    """Boot each (label, boot arguments, GPU) of ``plan`` at once, side by side, with a fixed small KV cache
+    (no memory profiling, so none of them moves another's KV size), send each one prompt of its
+    max_num_batched_tokens (the prefill kernels' shapes), then stop them all. This fills vLLM's
+    compile cache and Triton's kernel cache on this machine, so that the series' own boots of those
+    configurations compile nothing in their profiling windows, which then run back to back faster.
+    Said, with the wall time; a warm-up boot that fails is said and the series goes on (its label then
+    compiles in its own window)."""
+    t0 = time.time()
+    say(f"series {name}: warm-up: {', '.join(x for x, _, _ in plan)} boot side by side (fixed KV cache "
+        f"{WARM_KV_BYTES} bytes, --mem {WARM_MEM}) to fill the compile caches before the profiling windows")
+    booted = []
+    for label, args, gpu in plan:
+        at = len(args) - 1 - args[::-1].index("--port")  # the label's port: the last --port given
+        port = str(int(args[at + 1]) + WARM_PORT_OFFSET)
+        w = warm_label(label)
+        rc = dispatch(["boot", w, *args, "--port", port, "--kv-bytes", str(WARM_KV_BYTES), "--mem", str(WARM_MEM),
+                       *(["--gpu", gpu] if gpu is not None else []), "--wait", "0"])
+        if rc == 0 and series_state(w) is not None:
+            booted.append(w)
+        else:
+            say(f"series {name}: warm-up of {label}: the boot did not start ({rc}); {label} compiles in its window")
+    for w in booted:
+        rc = wait(w, max(5.0, min(WARM_BOOT_S - (time.time() - t0), t_end - time.time() - 5)))
+        st = load_state(w)
+        if rc == 0:
+            args = st.get("vllm_args") or {}
+            n = max(16, min(int(args.get("mnbt") or 2048), int(args.get("max_model_len") or 1 << 30) - 4) - 16)
+            try:
+                _complete(st["port"], sm.prompt_ids(n, "warm-up"), 4, served_model(st))
+                say(f"series {name}: {w}: served after {st.get('healthy_after_s')} s, one prompt of {n} tokens done")
+            except Exception as exc:  # noqa: BLE001 - said; the compile cache is filled by the boot itself
+                say(f"series {name}: {w}: served after {st.get('healthy_after_s')} s; its prompt of {n} tokens "
+                    f"failed: {exc}")
+        else:
+            say(f"series {name}: {w}: did not serve ({'died' if rc == 1 else 'still booting'}); its label "
+                "compiles in its window")
+    for w in booted:
+        dispatch(["stop", w])
+    say(f"series {name}: warm-up done in {time.time() - t0:.0f} s")
+
+
 def run_series_queue(name: str, items: list[tuple[str, list[str], tuple[str, ...]]], gpu: str | None,
                      t_end: float, opts: dict[str, Any], after: str | None = None) -> None:
     """Each label in turn on one GPU: boot, wait, what its item asks for (steps resumed by the next run
@@ -1777,11 +1855,12 @@ def run_series_queue(name: str, items: list[tuple[str, list[str], tuple[str, ...
             booted = load_state(label).get("healthy_after_s") is not None
             if "runner" not in mark:  # the first time it serves or has died: which model runner it built
                 ev = runner_evidence(sdir(label), serve_log(label))
-                series_mark(label, runner=ev["built"], runner_from=ev["built_from"])
+                compiled = compile_source(serve_log(label))
+                series_mark(label, runner=ev["built"], runner_from=ev["built_from"], compile=compiled)
                 want = opts.get("expect_runner")
                 say(f"series: {label}: model runner {'/'.join(ev['built']) or 'unknown'} "
                     f"({ev['built_from'] or 'no overlay report names it, no V2 line in the log'})"
-                    + (f", {want} expected" if want else ""))
+                    + (f", {want} expected" if want else "") + f"; torch.compile: {compiled}")
                 if want and ev["built"] and ev["built"] != [want]:
                     why = f"its workers built the {'/'.join(ev['built'])} model runner, {want} expected"
                     series_mark(label, failed=why)
@@ -2113,6 +2192,9 @@ def cmd_series(a: argparse.Namespace) -> int:
            if a.fixed_kv and len(set(gpus)) < len(gpus) else "")
         + (f"; utilization {spec['mem_total']} shared by the servers side by side on a GPU; one profiling window "
            "at a time there, no traffic or stop during one" if opts["profile_alone"] else ""))
+    warm = warm_plan(spec, labels) if opts["profile_alone"] and not a.no_warm_up else []
+    if warm:
+        warm_up(a.name, [(x, args, g) for q, g in zip(queues, gpus) for x, args, _ in q if x in warm], t_end)
     threads = [threading.Thread(target=run_series_queue, args=(a.name, q, g, t_end, opts, after[i]),
                                 name=f"series-q{i}-gpu{g}")
                for i, (g, q) in enumerate(zip(gpus, queues))]
@@ -2246,6 +2328,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the model runner every worker must build (V1, V2; '' checks nothing; default: the "
                          "series' own)")
     se.add_argument("--no-logprobs", action="store_true")
+    se.add_argument("--no-warm-up", action="store_true",
+                    help="servers side by side on one GPU: no warm-up boots before the profiling windows (by "
+                         "default a series with warm groups first boots one label of each group that needs it side "
+                         "by side, with a fixed KV cache, to fill the compile caches, when two or more groups do)")
     c = sub.add_parser("compare", help="two logprob runs (PATH.json, DIR/NAME.json or BUNDLE.json#NAME)")
     c.add_argument("a")
     c.add_argument("b")

@@ -388,8 +388,12 @@ def test_memory_table() -> None:
 
 def test_memory_series_side_by_side_profiles_alone(state, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """--gpus 0,0: utilization 0.97 shared (0.485 each); one profiling window (boot until the KV cache size
-    line) at a time, no traffic or stop during one; the third label boots once the traffic has ended."""
-    servers, boots, sized, spans, mem_argv = {}, {}, {}, [], {}
+    line) at a time, no traffic or stop during one; the third label boots once the traffic has ended.
+    Before the windows, one warm-up boot for each of the two configurations (tq16k-vllm shares
+    tq16k-headroom's compiled graphs) side by side, fixed KV cache, one prompt each, stopped before the
+    first window opens."""
+    servers, boots, sized, spans, mem_argv, warm_argv, prompts = {}, {}, {}, [], {}, {}, []
+    monkeypatch.setattr(stack, "_complete", lambda port, ids, tokens, model: prompts.append((port, len(ids))))
 
     def kv_sized(label: str) -> None:
         with open(os.path.join(stack.sdir(label), "serve.log"), "a") as f:
@@ -401,9 +405,14 @@ def test_memory_series_side_by_side_profiles_alone(state, monkeypatch) -> None: 
             servers[argv[1]] = subprocess.Popen(["sleep", "120"], start_new_session=True)
             served(argv[1], servers[argv[1]].pid)
             boots[argv[1]] = (time.time(), parse(argv).mem)
-            threading.Timer(0.8, kv_sized, (argv[1],)).start()
+            if argv[1].startswith("warm-"):
+                warm_argv[argv[1]] = parse(argv)
+            else:
+                threading.Timer(0.8, kv_sized, (argv[1],)).start()
         elif argv[0] in ("memory", "stop"):
-            t0, mem_argv[argv[1]] = time.time(), argv if argv[0] == "memory" else mem_argv[argv[1]]
+            t0 = time.time()
+            if argv[0] == "memory":
+                mem_argv[argv[1]] = argv
             time.sleep(0.3)
             spans.append((t0, time.time()))
         return 0
@@ -417,11 +426,27 @@ def test_memory_series_side_by_side_profiles_alone(state, monkeypatch) -> None: 
         for s in servers.values():
             s.kill()
             s.wait()
-    assert {m for _, m in boots.values()} == {0.485} and len(spans) == 6
-    assert all(e <= boots[x][0] or s >= sized[x] for x in boots for s, e in spans), (boots, sized, spans)
+    real = {x: b for x, b in boots.items() if not x.startswith("warm-")}
+    assert {m for _, m in real.values()} == {0.485} and len(spans) == 6 + 2
+    assert sorted(warm_argv) == ["warm-bf16-8k-headroom", "warm-tq16k-headroom"]
+    assert {(w.kv_bytes, w.mem, w.port) for w in warm_argv.values()} == {
+        (stack.WARM_KV_BYTES, stack.WARM_MEM, 8011 + 100), (stack.WARM_KV_BYTES, stack.WARM_MEM, 8012 + 100)}
+    assert prompts == [(1, 2032), (1, 2032)]  # mnbt 2048 when the state names none, less 16
+    first = min(t for t, _ in real.values())
+    assert max(boots[w][0] for w in warm_argv) < first and sorted(spans)[1][1] <= first  # the warm stops first
+    assert all(e <= real[x][0] or s >= sized[x] for x in real for s, e in spans), (real, sized, spans)
     argv = mem_argv["tq16k-vllm"]
     assert argv[argv.index("--device-fraction") + 1] == "0.97" and argv[argv.index("--phases", 3) + 1] == \
         "band,burst,mixed"
+
+
+def test_warm_plan_takes_one_label_a_group_when_two_groups_need_it(state) -> None:  # type: ignore[no-untyped-def]
+    spec = stack.SERIES["memory"]
+    assert stack.warm_plan(spec, ["tq16k-headroom", "tq16k-vllm"]) == []  # one group: its window compiles
+    assert stack.warm_plan(spec, ["tq16k-vllm", "bf16-8k-vllm", "tq16k-headroom"]) == ["tq16k-headroom", "bf16-8k-vllm"]
+    served("bf16-8k-vllm", os.getpid())  # a resumed series: that group has booted already
+    assert stack.warm_plan(spec, ["tq16k-vllm", "bf16-8k-vllm", "tq16k-mtp-v1"]) == ["tq16k-vllm", "tq16k-mtp-v1"]
+    assert stack.warm_plan(spec, ["tq16k-vllm", "bf16-8k-vllm"]) == []
 
 
 def test_pair_alternates_the_servers_and_takes_the_ratio_pair_by_pair(state, monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -479,3 +504,11 @@ def test_a_compact_bundle_keeps_the_logs_start_and_end() -> None:
     assert lines[8] == "line 00008" and lines[9] == f"[... {len(raw) - 99 - 55} bytes of this log left out of the bundle ...]"
     assert lines[10] == "line 00995" and len(lines) == 15  # whole lines on both sides of the cut
     assert stack.log_excerpt(raw, 0, 22).splitlines()[1:] == ["line 00998", "line 00999"]
+
+
+def test_compile_source_reads_vllms_compile_lines() -> None:
+    cold = "INFO [backends.py] Compiling a graph for compile range (1, 8192) takes 40.1 s\n"
+    warm = "INFO [backends.py] Directly load the compiled graph(s) for compile range (1, 8192) from the cache\n"
+    assert stack.compile_source(warm * 2) == "loaded from the cache"
+    assert stack.compile_source(cold + warm) == "compiled (1 graph(s) compiled, 1 loaded from the cache)"
+    assert stack.compile_source("INFO Starting vLLM server\n") == "no compile line"

@@ -1755,10 +1755,6 @@ def compile_source(log_text: str) -> str:
     return "loaded from the cache" if loaded else "no compile line"
 
 
-def warm_label(label: str) -> str:
-    return f"warm-{label}"
-
-
 def warm_plan(spec: dict[str, Any], labels: list[str]) -> list[str]:
     """The labels whose configuration a warm-up boot compiles first: of each of the series' "warm_groups"
     (labels whose boots differ only in what vLLM's compile-cache key leaves out, so they share compiled
@@ -1786,9 +1782,8 @@ def warm_up(name: str, plan: list[tuple[str, list[str], str | None]], t_end: flo
         f"{WARM_KV_BYTES} bytes, --mem {WARM_MEM}) to fill the compile caches before the profiling windows")
     booted = []
     for label, args, gpu in plan:
-        at = len(args) - 1 - args[::-1].index("--port")  # the label's port: the last --port given
-        port = str(int(args[at + 1]) + WARM_PORT_OFFSET)
-        w = warm_label(label)
+        port = str(build_parser().parse_args(["boot", label, *args]).port + WARM_PORT_OFFSET)
+        w = f"warm-{label}"
         rc = dispatch(["boot", w, *args, "--port", port, "--kv-bytes", str(WARM_KV_BYTES), "--mem", str(WARM_MEM),
                        *(["--gpu", gpu] if gpu is not None else []), "--wait", "0"])
         if rc == 0 and series_state(w) is not None:
@@ -1854,8 +1849,8 @@ def run_series_queue(name: str, items: list[tuple[str, list[str], tuple[str, ...
             QUIET.end(label)  # booted or died
             booted = load_state(label).get("healthy_after_s") is not None
             if "runner" not in mark:  # the first time it serves or has died: which model runner it built
-                ev = runner_evidence(sdir(label), serve_log(label))
-                compiled = compile_source(serve_log(label))
+                log_text = serve_log(label)
+                ev, compiled = runner_evidence(sdir(label), log_text), compile_source(log_text)
                 series_mark(label, runner=ev["built"], runner_from=ev["built_from"], compile=compiled)
                 want = opts.get("expect_runner")
                 say(f"series: {label}: model runner {'/'.join(ev['built']) or 'unknown'} "

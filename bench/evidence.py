@@ -178,6 +178,14 @@ def judge_served(s: dict[str, Any]) -> tuple[bool, str]:
     served = [k for k in s if k in ("decode", "logprobs") or k.startswith("steps")]
     if served:
         return True, f"{healthy}; served {', '.join(sorted(served))}"
+    phases = ((s.get("memory") or {}).get("phases") or {})
+    if phases:  # the memory step's traffic phases (bench/memory_serve.py)
+        bad = [n for n, ph in phases.items() if ph.get("requests_failed") or ph.get("oom")
+               or not ph.get("server_alive") or not ph.get("requests_ok")]
+        if bad:
+            return False, f"{healthy}; memory phases failed, ran out of memory or ended the server: {', '.join(bad)}"
+        ok = sum(int(ph.get("requests_ok") or 0) for ph in phases.values())
+        return True, f"{healthy}; memory phases {', '.join(phases)}: {ok} requests, none failed"
     return False, f"{healthy}; no traffic recorded"
 
 

@@ -1424,7 +1424,8 @@ def memory_verdict(runs: dict[str, dict[str, Any]], pairs: dict[str, Any]) -> li
         if h:
             mode += (f", KV tokens {h.get('kv_tokens_before')} -> {h.get('kv_tokens_after')} "
                      f"({(h.get('kv_tokens_before') or 0) - (h.get('kv_tokens_after') or 0)} "
-                     f"{'would be ' if h.get('dry_run') else ''}given up)")
+                     f"{'would be ' if h.get('dry_run') else ''}given up"
+                     + (f", {h['moved'] / 2**30:.3f} GiB" if h.get("moved") is not None else "") + ")")
         parts = []
         for ph_name, ph in m.get("phases", {}).items():
             wins = [(w.get("window") or {}, w.get("whole_process")) for w in (ph.get("workers") or {}).values()]
@@ -1437,7 +1438,28 @@ def memory_verdict(runs: dict[str, dict[str, Any]], pairs: dict[str, Any]) -> li
         state = ("never served: " + str(r.get("failure_class") or "-") if r.get("healthy_after_s") is None
                  else "; ".join(parts) or "no phase measured")
         out.append(f"{name} ({runner}, {mode}): {state}")
-    return out
+    dev = device_peak_line(runs)
+    return out + ([dev] if dev else [])
+
+
+def device_peak_line(runs: dict[str, dict[str, Any]]) -> str | None:
+    """The device's used memory (nvidia-smi, every process on the GPU) at its highest over the phases of
+    all runs, against the fraction the series asked for (mem_total x total): servers side by side share
+    one GPU, so this is one figure for them all. Each process's CUDA context lies outside vLLM's budgets."""
+    worst = None
+    for name, r in runs.items():
+        for ph_name, ph in ((r.get("memory") or {}).get("phases") or {}).items():
+            for gpu, peak in (ph.get("device_peak_mib") or {}).items():
+                req = (ph.get("device_requested_mib") or {}).get(gpu)
+                total = (ph.get("device_total_mib") or {}).get(gpu)
+                if req and total and (worst is None or peak > worst[0]):
+                    worst = (peak, req, total, gpu, f"{name} {ph_name}")
+    if worst is None:
+        return None
+    peak, req, total, gpu, where = worst
+    return (f"device (GPU {gpu}, every process on it): peak {peak} MiB of {total} MiB, "
+            f"{'OVER' if peak > req else 'within'} the requested {req} MiB by {abs(peak - req)} MiB "
+            f"(during {where}); each process's CUDA context lies outside every server's budget")
 
 
 SERIES["memory"] = {
@@ -1739,7 +1761,8 @@ def traffic(label: str, gpu: str | None, t_end: float, argv: list[str]) -> int |
         QUIET.end(label)
 
 
-WARM_KV_BYTES = 2684354560  # a warm-up boot's fixed KV cache (2.5 GiB): no profiling, several fit side by side
+WARM_KV_BYTES = 4294967296  # a warm-up boot's fixed KV cache (4 GiB): no profiling, several fit side by side;
+# 2.5 GiB held 774 Mamba blocks for the slice with MTP 3 on 0.33.0 (2026-12-04), fewer than vLLM's 1024 sequences
 WARM_MEM = 0.05  # its --mem: with a fixed KV cache vLLM only checks that this much of the GPU is free at start
 WARM_PORT_OFFSET = 100  # a warm-up boot serves on its label's port + this
 WARM_BOOT_S = 900.0  # the longest a warm-up boot may take to serve
@@ -1748,7 +1771,9 @@ WARM_BOOT_S = 900.0  # the longest a warm-up boot may take to serve
 def compile_source(log_text: str) -> str:
     """Where a boot's compiled graphs came from, by vLLM's own log lines: "loaded from the cache",
     "compiled" (N graphs, M of them loaded), or "no compile line" (eager, or a log cut short)."""
-    loaded = log_text.count("Directly load the compiled graph")
+    # 0.27.1: "Directly load the compiled graph(s) for compile range ..."; 0.33.0: "[backbone] Directly load
+    # AOT compilation from path ..." (one line for the whole backbone)
+    loaded = log_text.count("Directly load the compiled graph") + log_text.count("Directly load AOT compilation")
     compiled = log_text.count("Compiling a graph for")
     if compiled:
         return f"compiled ({compiled} graph(s) compiled, {loaded} loaded from the cache)"

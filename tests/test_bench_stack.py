@@ -386,6 +386,28 @@ def test_memory_table() -> None:
     assert "| cap | longest | 0 / 1 | DEAD, OOM | - | - | - | - | OOM |" in lines
 
 
+def test_memory_verdict_names_what_was_given_up_and_the_device_peak() -> None:
+    """Per run the KV tokens and GiB given up (or that a dry run would give up) and each phase's peak against
+    the reservation; one line for the device, the highest used memory of every phase against the requested
+    fraction, naming the run and phase (servers side by side share the GPU)."""
+    g = 2**30
+    rec = {"kv_tokens_before": 4585908, "kv_tokens_after": 3580306, "moved": 3.886 * g, "dry_run": False}
+    def run(peak_mib: int, dry: bool = False) -> dict:  # type: ignore[type-arg]
+        w = {"window": {"runtime_peak": 5.193 * g, "over_budget": (3.919 if dry else -0.181) * g}}
+        ph = {"requests_ok": 1024, "requests_failed": 0, "server_alive": True, "workers": {"7": w},
+              "device_peak_mib": {"0": peak_mib}, "device_requested_mib": {"0": 139457}, "device_total_mib": {"0": 143771}}
+        return {"healthy_after_s": 80.0, "runner_evidence": {"built": ["V2"]},
+                "memory": {"headroom": {"7": {"records": [{**rec, "dry_run": dry}]}}, "phases": {"burst": ph}}}
+    lines = stack.memory_verdict({"on": run(140424), "dry": run(142990, dry=True)}, {})
+    assert lines[0] == ("on (V2, memory-headroom, KV tokens 4585908 -> 3580306 (1005602 given up, 3.886 GiB)): "
+                        "burst 1024 ok / 0 failed, peak 5.193 GiB, within the reservation by 0.181")
+    assert lines[1].startswith("dry (V2, dry run (vLLM's sizing), KV tokens 4585908 -> 3580306 (1005602 would be "
+                               "given up, 3.886 GiB)): burst 1024 ok / 0 failed, peak 5.193 GiB, OVER the reservation by 3.919")
+    assert lines[2] == ("device (GPU 0, every process on it): peak 142990 MiB of 143771 MiB, OVER the requested 139457 MiB "
+                        "by 3533 MiB (during dry burst); each process's CUDA context lies outside every server's budget")
+    assert stack.device_peak_line({"on": {"memory": {"phases": {}}}}) is None
+
+
 def test_memory_series_side_by_side_profiles_alone(state, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """--gpus 0,0: utilization 0.97 shared (0.485 each); one profiling window (boot until the KV cache size
     line) at a time, no traffic or stop during one; the third label boots once the traffic has ended.
@@ -512,3 +534,6 @@ def test_compile_source_reads_vllms_compile_lines() -> None:
     assert stack.compile_source(warm * 2) == "loaded from the cache"
     assert stack.compile_source(cold + warm) == "compiled (1 graph(s) compiled, 1 loaded from the cache)"
     assert stack.compile_source("INFO Starting vLLM server\n") == "no compile line"
+    aot = ("INFO [decorators.py:326] [backbone] Directly load AOT compilation from path "
+           "/root/.cache/vllm/torch_compile_cache/torch_aot_compile/b40e/rank_0_0/model\n")  # vLLM 0.33.0
+    assert stack.compile_source(aot) == "loaded from the cache"

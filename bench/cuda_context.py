@@ -33,6 +33,8 @@ import time
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from memory_serve import parse_apps  # noqa: E402,F401 - bench/memory_serve.py (stdlib only): the driver's per-process figures
 STAGES = ("init", "cublas", "triton")
 MIB = 1 << 20
 
@@ -47,17 +49,6 @@ if triton is not None:
     def add_one(x_ptr, n, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n) + 1, mask=i < n)
-
-
-def parse_apps(text: str) -> dict[int, int]:
-    """`nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits`: pid -> MiB.
-    Lines that are not "PID, MIB" (e.g. "[N/A]" where the driver hides a figure) are left out."""
-    out: dict[int, int] = {}
-    for line in text.splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit():
-            out[int(parts[0])] = int(parts[1])
-    return out
 
 
 def smi(*query: str) -> str:

@@ -156,7 +156,11 @@ def peak_words(worker: dict[str, Any]) -> str:
     if worker.get("whole_process") and over > 0:
         return words + (f"{over:.3f} GiB above the budget on the whole process's {worker.get('meter') or 'resident set'}"
                         " (more than the forwards: no allocator peak on this build)")
-    return words + f"{'OVER' if over > 0 else 'under'} budget by {abs(over):.3f} GiB"
+    words += f"{'OVER' if over > 0 else 'under'} budget by {abs(over):.3f} GiB"
+    if worker.get("driver_peak_mib") is not None and x.get("reserved_peak") is not None:
+        words += (f" (on the device the process peaked at {worker['driver_peak_mib']} MiB, its allocator's "
+                  f"reserved peak {x['reserved_peak'] / 2**20:.0f} MiB)")
+    return words
 
 
 def window_of(report_dir: str, seq: int) -> dict[str, Any]:
@@ -188,13 +192,30 @@ class LogTail:
         return data.decode(errors="replace").splitlines()
 
 
+def parse_apps(text: str) -> dict[int, int]:
+    """`nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits`: pid -> MiB.
+    Lines that are not "PID, MIB" (e.g. "[N/A]" where the driver hides a figure) are left out."""
+    out: dict[int, int] = {}
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit():
+            out[int(parts[0])] = int(parts[1])
+    return out
+
+
+APPS_EVERY_S = 0.5
+
+
 class DeviceSampler:
     """`nvidia-smi -lms 200` in the background: used and total MiB per GPU over time (None without
-    nvidia-smi, e.g. on the CPU build)."""
+    nvidia-smi, e.g. on the CPU build); and every APPS_EVERY_S what the driver charges each process
+    (`--query-compute-apps`: its CUDA context, libraries and allocator together)."""
 
     def __init__(self, gpus: str | None) -> None:
         self.samples: list[tuple[float, dict[str, int]]] = []
+        self.apps: list[tuple[float, dict[int, int]]] = []
         self.total: dict[str, int] = {}
+        self.stopping = threading.Event()
         self.proc = None
         cmd = ["nvidia-smi", "--query-gpu=index,memory.used,memory.total", "--format=csv,noheader,nounits",
                "-lms", "200"]
@@ -205,6 +226,25 @@ class DeviceSampler:
         except OSError:
             return
         threading.Thread(target=self.read, daemon=True).start()
+        apps = ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"]
+        threading.Thread(target=self.poll_apps, args=(apps + (["-i", gpus] if gpus else []),), daemon=True).start()
+
+    def poll_apps(self, cmd: list[str]) -> None:
+        while not self.stopping.wait(APPS_EVERY_S):
+            try:
+                out = subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout
+            except (OSError, subprocess.TimeoutExpired):
+                return
+            self.apps.append((time.time(), parse_apps(out)))
+
+    def process_peaks(self, t0: float, t1: float) -> dict[int, int]:
+        """Each process's highest driver figure (MiB) sampled from t0 to t1."""
+        out: dict[int, int] = {}
+        for t, apps in list(self.apps):
+            if t0 <= t <= t1 + 0.5:
+                for pid, mib in apps.items():
+                    out[pid] = max(out.get(pid, 0), mib)
+        return out
 
     def read(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
@@ -233,6 +273,7 @@ class DeviceSampler:
         return out or None
 
     def stop(self) -> None:
+        self.stopping.set()
         if self.proc is not None:
             self.proc.terminate()
             try:
@@ -442,6 +483,10 @@ def cmd_memory(a: argparse.Namespace, stk: Any) -> int:
                       oom_lines=[ln[-400:] for ln in lines if OOM.search(ln)][:6],
                       workers=window_of(report_dir, seq), device_peak_mib=peak,
                       device_total_mib=dict(total) or None)
+            procs = sampler.process_peaks(t0, t1)
+            for pid, w in ph["workers"].items():
+                if str(pid).isdigit() and int(pid) in procs:
+                    w["driver_peak_mib"] = procs[int(pid)]
             if peak and total:
                 ph["device_requested_mib"] = {i: int(cfg["device_fraction"] * total[i]) for i in peak}
                 ph["device_within_requested"] = all(peak[i] <= ph["device_requested_mib"][i] for i in peak)

@@ -344,6 +344,10 @@ def test_watch_windows_and_the_one_warning(tmp_path, caplog) -> None:  # type: i
     band, idle = w.record["windows"]
     assert band["end"] is not None and band["peak"] == 140 and band["above_idle"] == 40
     assert band["over_budget"] == 20 and idle["peak"] == idle["idle"] == 100 and w.record["peak"] == 140
+    assert "reserved_peak" not in band  # the stand-in, like the CPU build's meter, has no reserved peak
+    m.peak_reserved = lambda: 150  # type: ignore[attr-defined] - as CudaMeter: the allocator's cached blocks too
+    w.tick()
+    assert idle["reserved_peak"] == 150 and "reserved_peak" not in band  # a closed window keeps its own
     mark.write_text("not json")
     w.tick()
     assert "expected {\"seq\": N, \"name\": \"...\"}" in w.record["mark_error"]

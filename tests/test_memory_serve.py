@@ -49,3 +49,23 @@ def test_memory_phases_on_a_cpu_server(tmp_path) -> None:  # type: ignore[no-unt
         assert json.load(open(tmp_path / "state" / "mem" / "again.json"))["phases"]["burst"]["seq"] == 9
     finally:
         stack("stop", "mem", timeout=120)
+
+
+def test_a_phase_names_each_process_peak_on_the_device() -> None:
+    """The device sampler's per-process figures (nvidia-smi --query-compute-apps, stood in here: the CPU
+    build has no nvidia-smi) give each worker its highest in the phase, and the phase line says it beside
+    the allocator's reserved peak; a worker without them keeps the line it had."""
+    import memory_serve
+
+    s = memory_serve.DeviceSampler.__new__(memory_serve.DeviceSampler)
+    s.apps = [(10.0, memory_serve.parse_apps("3921, 30112\n4000, 512\n[N/A], [N/A]\n")),
+              (11.0, {3921: 31200}), (20.0, {3921: 33000})]
+    assert s.process_peaks(9.5, 11.5) == {3921: 31200, 4000: 512}
+    g = 2**30
+    worker = {"window": {"runtime_peak": 5.193 * g, "over_budget": -0.181 * g, "reserved_peak": 30 * g},
+              "driver_peak_mib": 31200}
+    assert memory_serve.peak_words(worker) == (
+        "; worker runtime peak 5.193 GiB, under budget by 0.181 GiB (on the device the process peaked at "
+        "31200 MiB, its allocator's reserved peak 30720 MiB)")
+    del worker["driver_peak_mib"]
+    assert memory_serve.peak_words(worker) == "; worker runtime peak 5.193 GiB, under budget by 0.181 GiB"

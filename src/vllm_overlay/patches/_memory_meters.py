@@ -34,6 +34,13 @@ class CudaMeter:
 
         return int(torch.cuda.max_memory_allocated(self.device))
 
+    def peak_reserved(self) -> int:
+        """What the caching allocator held from the device at most since the last reset (its tensors and
+        the blocks it keeps without handing them out): the device sees this, not the allocated peak."""
+        import torch
+
+        return int(torch.cuda.max_memory_reserved(self.device))
+
     def sync(self) -> None:
         import torch
 

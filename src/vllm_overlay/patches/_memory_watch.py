@@ -28,7 +28,10 @@ class Watch:
     "..."}, a new seq each time): then the window open until then is closed with its own peak, the
     peak statistic is reset and a window of that name opens (the harness waits until the report
     shows it). Report field ``patches.memory-headroom.runtime``; the first time the peak exceeds
-    the budget, one WARNING (CUDA only: the CPU build's resident set counts more than tensors)."""
+    the budget, one WARNING (CUDA only: the CPU build's resident set counts more than tensors).
+    Where the meter has one (CUDA), each window also keeps the allocator's reserved peak
+    (``reserved_peak``, absolute bytes): what the device saw of this process's allocator, cached
+    blocks included, beside the allocated peak that is compared with the budget."""
 
     def __init__(self, meter: Any, kv_bytes: int, baseline: int, budget: int, mark_path: str,
                  warn: bool, patch_id: str) -> None:
@@ -88,6 +91,8 @@ class Watch:
         The record is changed under the report's lock (the flusher serialises it meanwhile)."""
         now = time.time()
         p = self.meter.peak()
+        reserved = getattr(self.meter, "peak_reserved", None)
+        r = reserved() if reserved is not None else None
         mark = self.read_mark()
         with STATE.lock:
             changed = False
@@ -96,6 +101,8 @@ class Watch:
                 self.record["peak_at"] = now
             if self.window is not None and p > self.window["peak"]:
                 self.window["peak"], changed = p, True
+            if self.window is not None and r is not None and r > self.window.get("reserved_peak", 0):
+                self.window["reserved_peak"], changed = r, True
             if isinstance(mark, str):
                 self.record["mark_error"], changed = mark, True
             elif mark is not None and (self.window is None or mark[0] != self.window["seq"]):

@@ -57,7 +57,8 @@ def test_v2_cells_follow_the_releases_it_measures() -> None:
 
     assert levels.cell(mh.SPEC, "0.31.0", "V2", "cuda").level == "unsupported"
     assert "acts on V2 of >=0.32.0 only" in levels.cell(mh.SPEC, "0.26.0", "V2", "cuda").why
-    assert levels.cell(mh.SPEC, "0.33.0", "V2", "cuda").level == "source-checked"
+    assert levels.cell(mh.SPEC, "0.32.0", "V2", "cuda").level == "source-checked"
+    assert levels.cell(mh.SPEC, "0.33.0", "V2", "cuda").level == "gpu-proven"  # series memory, H200, 2026-12-04
     assert levels.cell(mh.SPEC, "0.32.0", "V2", "cpu").level == "source-checked"  # V2 cannot run on the CPU build
     assert levels.cell(mh.SPEC, "0.32.0", "V1", "cpu").level == "cpu-proven"
 

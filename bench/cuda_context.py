@@ -34,7 +34,7 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from memory_serve import parse_apps  # noqa: E402,F401 - bench/memory_serve.py (stdlib only): the driver's per-process figures
+from memory_serve import parse_apps  # noqa: E402 - bench/memory_serve.py (stdlib only): the driver's per-process figures
 STAGES = ("init", "cublas", "triton")
 MIB = 1 << 20
 

@@ -206,6 +206,17 @@ def parse_apps(text: str) -> dict[int, int]:
 APPS_EVERY_S = 0.5
 
 
+def highest(samples: list[tuple[float, dict[Any, int]]], t0: float, t1: float) -> dict[Any, int]:
+    """Per key (GPU index or pid), the highest MiB of the samples taken from t0 to t1 (and up to 0.5 s
+    after: the last sample of a phase may land just after it)."""
+    out: dict[Any, int] = {}
+    for t, batch in list(samples):
+        if t0 <= t <= t1 + 0.5:
+            for key, mib in batch.items():
+                out[key] = max(out.get(key, 0), mib)
+    return out
+
+
 class DeviceSampler:
     """`nvidia-smi -lms 200` in the background: used and total MiB per GPU over time (None without
     nvidia-smi, e.g. on the CPU build); and every APPS_EVERY_S what the driver charges each process
@@ -239,12 +250,7 @@ class DeviceSampler:
 
     def process_peaks(self, t0: float, t1: float) -> dict[int, int]:
         """Each process's highest driver figure (MiB) sampled from t0 to t1."""
-        out: dict[int, int] = {}
-        for t, apps in list(self.apps):
-            if t0 <= t <= t1 + 0.5:
-                for pid, mib in apps.items():
-                    out[pid] = max(out.get(pid, 0), mib)
-        return out
+        return highest(self.apps, t0, t1)
 
     def read(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
@@ -265,12 +271,7 @@ class DeviceSampler:
     def peak(self, t0: float, t1: float) -> dict[str, int] | None:
         if self.proc is None:
             return None
-        out: dict[str, int] = {}
-        for t, batch in list(self.samples):
-            if t0 <= t <= t1 + 0.5:
-                for idx, used in batch.items():
-                    out[idx] = max(out.get(idx, 0), used)
-        return out or None
+        return highest(self.samples, t0, t1) or None
 
     def stop(self) -> None:
         self.stopping.set()

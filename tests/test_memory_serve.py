@@ -55,7 +55,11 @@ def test_a_phase_names_each_process_peak_on_the_device() -> None:
     """The device sampler's per-process figures (nvidia-smi --query-compute-apps, stood in here: the CPU
     build has no nvidia-smi) give each worker its highest in the phase, and the phase line says it beside
     the allocator's reserved peak; a worker without them keeps the line it had."""
-    import memory_serve
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        import memory_serve
+    finally:
+        sys.path.remove(os.path.join(ROOT, "bench"))
 
     s = memory_serve.DeviceSampler.__new__(memory_serve.DeviceSampler)
     s.apps = [(10.0, memory_serve.parse_apps("3921, 30112\n4000, 512\n[N/A], [N/A]\n")),

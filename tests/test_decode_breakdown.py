@@ -79,3 +79,15 @@ def test_cpu_serve_trace_end_to_end(tmp_path) -> None:  # type: ignore[no-untype
     top = {f: {k["name"] for k in ks} for f, ks in r["1"]["top_kernels"].items()}
     assert "vllm::cpu_gdn_attention_core" in top["gdn_recurrent"] and "_C::cpu_fused_moe" in top["expert_gemm"]
     assert r["1"]["host_gap_ms_per_step"] > 0 and r["1"]["floor_ms"]["expert_gemm"] > 0
+
+
+def test_side_by_side_script_refuses_bad_settings() -> None:
+    """bench/decode_breakdowns.sh: each bad setting is one line naming it, before any server boots."""
+    script = os.path.join(BENCH, "decode_breakdowns.sh")
+    for env, said in (({"MODELS": "nope"}, "MODELS 'nope': expected names of bench/models/*.json or tiny"),
+                      ({"CONFIG": "legacy"}, "CONFIG 'legacy': expected stock or overlay"),
+                      ({"KV_BYTES": "2GiB"}, "KV_BYTES '2GiB': expected bytes (a whole number) or empty"),
+                      ({"STAGGER": "-1"}, "STAGGER '-1': expected whole seconds >= 0")):
+        p = subprocess.run(["bash", script, "/nonexistent/out"], env={**os.environ, **env}, capture_output=True, text=True)
+        assert p.returncode == 2 and p.stderr.strip() == f"decode_breakdowns: {said}", p.stderr
+        assert not os.path.exists("/nonexistent/out")

@@ -78,7 +78,7 @@ FAMILIES: tuple[tuple[str, str], ...] = (
     ("gdn_conv", r"causal_conv1d"),
     ("expert_gemm", r"fused_moe_kernel|marlin_moe|moe_wna16|moe_sum|moe_fused_mul_sum|cpu_fused_moe|expert_triton|"
                     r"batched_triton_kernel|cutlass_moe|grouped_gemm"),
-    ("moe_router", r"topkgatingsoftmax|topk_softmax|grouped_topk|moe_align_block_size|count_and_sort_expert|"
+    ("moe_router", r"topkgating|topk_softmax|grouped_topk|moe_align_block_size|count_and_sort_expert|"
                    r"_store_topk|router_gemm|aten::topk"),
     ("attention", r"kernel_unified_attention|flash_fwd|flash::|flashattn|fmha|paged_attention|reshape_and_cache|"
                   r"merge_attn_states|_fwd_kernel_stage|flashinfer|batchdecode|batchprefill|cpu_attention|"

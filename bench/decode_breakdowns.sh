@@ -10,7 +10,9 @@
 # default the 35B geometry and its 8-layer slice, bf16 and AWQ 4-bit), STREAMS (1,16), STEPS (64),
 # CONTEXT (2048), MNBT (8192), MEM (--mem per server, 0.05), KV_BYTES (2684354560; empty: vLLM sizes the
 # KV cache), STAGGER (60), WAIT (1500 s for every server to serve), PORT0 (8041; one port per model,
-# upward), CONFIG (stock or overlay), BOOT_EXTRA (more `stack.py boot` options), SERVE_EXTRA (more
+# upward), CONFIG (stock or overlay), BOOT_EXTRA (more `stack.py boot` options; default --max-num-seqs
+# 128: 2.5 GiB of KV cache hold 240 Mamba blocks for the geometry's 30 GDN layers, and vLLM refuses to
+# boot with more sequences than blocks), SERVE_EXTRA (more
 # `vllm serve` arguments),
 # GRAPHS_OFF_FALLBACK (1: where a trace hides the kernels of CUDA-graph replays, boot that model again
 # with --graphs off and break it down again).
@@ -26,7 +28,7 @@ context=${CONTEXT:-2048}
 mnbt=${MNBT:-8192}
 mem=${MEM:-0.05}
 kv_bytes=${KV_BYTES-2684354560}
-boot_extra=${BOOT_EXTRA:-}
+boot_extra=${BOOT_EXTRA---max-num-seqs 128}
 serve_extra=${SERVE_EXTRA:-}
 stagger=${STAGGER:-60}
 wait_s=${WAIT:-1500}

@@ -389,6 +389,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--boot-extra", default="", help="more `stack.py boot` options (one string, as --boot-extra=ARGS; not --extra)")
     ap.add_argument("--serve-extra", default="", help="more `vllm serve` arguments (one string; give it as --serve-extra=ARGS), e.g. --enforce-eager")
     ap.add_argument("--keep-server", action="store_true")
+    ap.add_argument("--boot-only", action="store_true",
+                    help="start the server (--label, --port, the profiler writing to --trace-dir) and return at once; "
+                         "measure it later with --url and --trace-dir")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(HERE, "results"))
     ap.add_argument("--tag", default="")
     a = ap.parse_args(argv)
@@ -415,10 +418,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         fail("--url", a.url, "http://HOST:PORT of a running vllm serve")
     if a.url and not (a.trace_dir and os.path.isdir(a.trace_dir)):
         fail("--trace-dir", a.trace_dir, "with --url, an existing folder: the server's torch_profiler_dir")
+    if a.boot_only and a.url:
+        fail("--boot-only", a.url, "no --url (--boot-only starts a server; --url measures one already running)")
     if "--extra" in a.boot_extra.split():
         fail("--boot-extra", a.boot_extra, "stack.py boot options without --extra (vllm serve arguments go in --serve-extra)")
     a.cfg = model_config(a.model)
     return a
+
+
+def boot_cmd(a: argparse.Namespace, trace_dir: str, wait_s: int) -> list[str]:
+    """`stack.py boot` of a server with vLLM's torch profiler writing to trace_dir (made here)."""
+    os.makedirs(trace_dir, exist_ok=True)
+    prof = {"profiler": "torch", "torch_profiler_dir": trace_dir, "torch_profiler_with_stack": False,
+            "ignore_frontend": True}
+    extra = "--profiler-config " + json.dumps(json.dumps(prof))
+    if a.graphs == "off":
+        extra += " --compilation-config " + json.dumps(json.dumps({"cudagraph_mode": "NONE"}))
+    extra += (" " + a.serve_extra) if a.serve_extra else ""
+    return [sys.executable, os.path.join(HERE, "stack.py"), "boot", a.label, "--config", a.config, "--model", a.model,
+            "--kv", "auto", "--mtp", "0", "--mnbt", str(a.mnbt), "--max-model-len", str(max(4096, 2 * (a.context + 4 * a.steps))),
+            "--port", str(a.port), "--max-capture", "128", "--wait", str(wait_s), "--extra", extra,
+            *__import__("shlex").split(a.boot_extra)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -428,21 +448,15 @@ def main(argv: list[str] | None = None) -> int:
     url, booted = (a.url or "").rstrip("/"), None
     if not url:
         trace_dir = os.path.abspath(a.trace_dir or os.path.join(a.out, f"traces-{a.label}"))
-        os.makedirs(trace_dir, exist_ok=True)
-        prof = {"profiler": "torch", "torch_profiler_dir": trace_dir, "torch_profiler_with_stack": False,
-                "ignore_frontend": True}
-        extra = "--profiler-config " + json.dumps(json.dumps(prof))
-        if a.graphs == "off":
-            extra += " --compilation-config " + json.dumps(json.dumps({"cudagraph_mode": "NONE"}))
-        extra += (" " + a.serve_extra) if a.serve_extra else ""
-        cmd = [*stack, "boot", a.label, "--config", a.config, "--model", a.model, "--kv", "auto", "--mtp", "0",
-               "--mnbt", str(a.mnbt), "--max-model-len", str(max(4096, 2 * (a.context + 4 * a.steps))),
-               "--port", str(a.port), "--max-capture", "128", "--wait", "1200", "--extra", extra,
-               *__import__("shlex").split(a.boot_extra)]
+        cmd = boot_cmd(a, trace_dir, 0 if a.boot_only else 1200)
         if subprocess.run(cmd).returncode != 0:
             print(f"decode_breakdown: the boot failed: {' '.join(cmd)}", file=sys.stderr)
             subprocess.run([*stack, "stop", a.label])
             return 1
+        if a.boot_only:
+            print(f"decode_breakdown: {a.label} booting on port {a.port}, its traces in {trace_dir}; then: "
+                  f"--url http://127.0.0.1:{a.port} --trace-dir {trace_dir}")
+            return 0
         url, booted = f"http://127.0.0.1:{a.port}", a.label
     else:
         trace_dir = os.path.abspath(a.trace_dir)

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Decode-step breakdowns of several models from one GPU: one stock `vllm serve` per model, side by side
-# (bf16 KV, no MTP, CUDA graphs up to 128 tokens, a fixed KV cache, vLLM's torch profiler on), booted
-# STAGGER seconds apart, and once every one serves, `decode_breakdown.py --url` against each in turn
-# (one at a time: no timing shares the GPU with another). Then every server stops.
+# (`decode_breakdown.py --boot-only`: bf16 KV, no MTP, CUDA graphs up to 128 tokens, vLLM's torch
+# profiler on; here with a fixed KV cache), booted STAGGER seconds apart, and once every one serves,
+# `decode_breakdown.py --url` against each in turn (one at a time: no timing shares the GPU with
+# another). Then every server stops.
 #
 #   bash bench/decode_breakdowns.sh [OUT_DIR]
 #
@@ -10,10 +11,9 @@
 # default the 35B geometry and its 8-layer slice, bf16 and AWQ 4-bit), STREAMS (1,16), STEPS (64),
 # CONTEXT (2048), MNBT (8192), MEM (--mem per server, 0.05), KV_BYTES (2684354560; empty: vLLM sizes the
 # KV cache), STAGGER (60), WAIT (1500 s for every server to serve), PORT0 (8041; one port per model,
-# upward), CONFIG (stock or overlay), BOOT_EXTRA (more `stack.py boot` options; default --max-num-seqs
-# 128: 2.5 GiB of KV cache hold 240 Mamba blocks for the geometry's 30 GDN layers, and vLLM refuses to
-# boot with more sequences than blocks), SERVE_EXTRA (more
-# `vllm serve` arguments),
+# upward), CONFIG (stock or overlay), BOOT_EXTRA (more `stack.py boot` options; by default
+# `--max-num-seqs 128`: 2.5 GiB of KV cache hold 240 Mamba blocks for the geometry's 30 GDN layers, and
+# vLLM refuses to boot with more sequences than blocks), SERVE_EXTRA (more `vllm serve` arguments),
 # GRAPHS_OFF_FALLBACK (1: where a trace hides the kernels of CUDA-graph replays, boot that model again
 # with --graphs off and break it down again).
 # Writes OUT_DIR/decode-breakdown-MODEL-CONFIG-graphsG-h.{json,md}, OUT_DIR/boot-MODEL.log and
@@ -49,23 +49,16 @@ for m in $models; do
   [[ -f "$here/models/$m.json" || "$m" == tiny ]] || fail MODELS "$m" "names of bench/models/*.json or tiny"
 done
 mkdir -p "$out"
-max_len=$(( 2 * (context + 4 * steps) )); (( max_len < 4096 )) && max_len=4096
 
 label() { echo "bd-${1//./_}"; }
-prof_extra() {  # $1 trace folder, $2 on|off
-  local p="{\"profiler\":\"torch\",\"torch_profiler_dir\":\"$1\",\"torch_profiler_with_stack\":false,\"ignore_frontend\":true}"
-  local e="--profiler-config '$p'"
-  [[ "$2" == off ]] && e+=" --compilation-config '{\"cudagraph_mode\":\"NONE\"}'"
-  echo "$e${serve_extra:+ $serve_extra}"
-}
-boot() {  # $1 model, $2 port, $3 graphs on|off, $4 wait seconds
+boot() {  # $1 model, $2 port, $3 graphs on|off, $4 wait seconds (0: return once started)
   local t="$out/traces-$1$([[ $3 == off ]] && echo -graphsoff)"
-  mkdir -p "$t"
   echo "decode_breakdowns: $(date -u +%H:%M:%S) boot $1 (graphs $3) on port $2"
-  # shellcheck disable=SC2086 # BOOT_EXTRA is a list of options
-  "$py" "$here/stack.py" boot "$(label "$1")" --config "$config" --model "$1" --kv auto --mtp 0 --mnbt "$mnbt" \
-    --max-model-len "$max_len" --port "$2" --max-capture 128 --mem "$mem" ${kv_bytes:+--kv-bytes "$kv_bytes"} \
-    --extra "$(prof_extra "$t" "$3")" --wait "$4" $boot_extra >> "$out/boot-$1.log" 2>&1
+  "$py" "$here/decode_breakdown.py" --boot-only --label "$(label "$1")" --model "$1" --config "$config" \
+    --graphs "$3" --port "$2" --trace-dir "$t" --steps "$steps" --context "$context" --mnbt "$mnbt" \
+    --boot-extra="--mem $mem${kv_bytes:+ --kv-bytes $kv_bytes}${boot_extra:+ $boot_extra}" \
+    ${serve_extra:+"--serve-extra=$serve_extra"} >> "$out/boot-$1.log" 2>&1 || return 1
+  (( $4 == 0 )) || "$py" "$here/stack.py" wait "$(label "$1")" --wait "$4" >> "$out/boot-$1.log" 2>&1
 }
 
 t0=$SECONDS

@@ -42,7 +42,9 @@ def test_floors_and_bad_options() -> None:
     assert bf16["attention"] == 2 * 16 * 2048 * 2 * 2 * 256 * 2 and awq["moe_router"] == bf16["moe_router"]  # gate stays bf16
     for argv, said in ((["--streams", "0,16"], "--streams '0,16': expected comma-separated integers >= 1"),
                        (["--steps", "x"], "--steps 'x': expected an integer >= 2"), (["--graphs", "maybe"], "expected on or off"),
-                       (["--model", "nope"], "--model 'nope': expected a model directory")):
+                       (["--model", "nope"], "--model 'nope': expected a model directory"),
+                       (["--boot-only", "--url", "http://127.0.0.1:8011", "--trace-dir", "/tmp"],
+                        "--boot-only 'http://127.0.0.1:8011': expected no --url")):
         with pytest.raises(SystemExit) as e:
             db.parse_args(argv)
         assert said in str(e.value)

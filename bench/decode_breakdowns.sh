@@ -76,7 +76,7 @@ for m in $models; do
   if "$py" "$here/stack.py" wait "$(label "$m")" --wait "$left" >> "$out/boot-$m.log" 2>&1; then
     up[$m]=1; echo "decode_breakdowns: $(date -u +%H:%M:%S) $m serves ($((SECONDS - t0)) s after the first boot)"
   else
-    echo "decode_breakdowns: $m did not serve within ${wait_s} s of the first boot; its log: $out/boot-$m.log" >&2
+    echo "decode_breakdowns: $m does not serve (it died, or was not healthy ${wait_s} s after the first boot); its logs: $out/boot-$m.log and the stack state folder" >&2
   fi
 done
 rc=0

@@ -19,7 +19,7 @@ GDN_TRACED = ("VLLM_OVERLAY_PREALLOC_TOKEN_BUDGET", "VLLM_OVERLAY_GDN_MAX_BATCHE
 
 def test_traced_settings_come_from_the_traced_patches_specs() -> None:
     traced = [s for s in core.specs() if s.changes_traced_code]
-    assert [s.id for s in traced] == ["gdn-output-prealloc"]
+    assert [s.id for s in traced] == ["gdn-output-prealloc", "decode-gemv"]  # decode-gemv: no traced settings
     assert cck.traced_settings() == gdn.SPEC.traced_settings == GDN_TRACED
     assert cck.SPEC.settings == GDN_TRACED  # what `plan --ledger` prints for it
     assert "VLLM_OVERLAY_STRICT" in gdn.SPEC.settings and "VLLM_OVERLAY_STRICT" not in cck.traced_settings()

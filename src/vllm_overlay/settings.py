@@ -225,6 +225,20 @@ SETTINGS: tuple[Setting, ...] = (
         "vllm-overlay/moe-configs under $XDG_CACHE_HOME (or ~/.cache).",
     ),
     Setting(
+        "VLLM_OVERLAY_DECODE_GEMV", _bool, False, "1 or 0",
+        "decode-gemv (CUDA): 1 runs the unquantized linear layers of a one-row forward (decode at one "
+        "stream) through the overlay's Triton GEMV instead of cuBLAS; larger forwards keep "
+        "torch.nn.functional.linear. Outputs can differ from stock by a bf16 rounding step; "
+        "bench/decode_gemv_h200.py measures both.",
+    ),
+    Setting(
+        "VLLM_OVERLAY_DECODE_GEMV_CONFIGS", _path, None, "a path to a JSON file",
+        "decode-gemv: kernel tile sizes per device and weight shape, "
+        '{"devices": {DEVICE NAME: {"NxK": [BLOCK_N, BLOCK_K, num_warps, num_stages]}}} as '
+        "bench/decode_gemv_h200.py writes it; used before the table that ships with the package. "
+        "Shapes in neither get a heuristic config.",
+    ),
+    Setting(
         "VLLM_OVERLAY_TEST_BUFFER_ROWS", _int_range(1, TOKEN_MAX), None,
         f"an integer in [1, {TOKEN_MAX}]",
         "TEST ONLY. Forces the GDN buffer to this many rows, bypassing the resolver and its floor, "

@@ -1,0 +1,316 @@
+"""decode-gemv: a one-row GEMV for the unquantized linear layers of a decode step (CUDA).
+
+At one decode stream a hybrid MoE model's step is GPU-bound and its dense projections are the
+largest share: on the H200 (vLLM 0.33.0, 35B-A3B geometry, bf16) they took 1.92 ms of a 4.10 ms
+step against a weight-read floor of 0.54 ms, because cuBLAS runs these one-row products as
+tensor-core GEMM tiles, some with a split-K reduction kernel after them. vLLM calls
+``torch.nn.functional.linear`` for every unquantized layer on CUDA (``default_unquantized_gemm``;
+ROCm has a skinny-GEMM path for this, CUDA none).
+
+This patch gives each ``UnquantizedLinearMethod`` that vLLM built with ``default_unquantized_gemm``
+the overlay's GEMM instead: one custom op, ``vllm_overlay::decode_gemv``, that runs the Triton
+GEMV of ``kernels/decode_gemv.py`` when the input is exactly one row and the weight is a plain
+bf16/fp16 matrix, and ``torch.nn.functional.linear`` otherwise (prefills, batches of two or more,
+other dtypes). The choice is made when the op runs, not when it is traced, so one compiled graph
+serves every batch size and a CUDA graph of one row captures the GEMV. Each weight's kernel is
+compiled after the weights load, before any CUDA graph is captured. The kernel's tile sizes come
+from a table tuned per device (``data/decode_gemv_configs.json``, or the file named by
+``VLLM_OVERLAY_DECODE_GEMV_CONFIGS``) and otherwise from a heuristic on the SM count.
+
+Outputs are the same sums as cuBLAS's, added in another order in fp32 and rounded once: they can
+differ from stock by one bf16 rounding step in some elements, so greedy outputs and logprobs are
+compared against stock in the benchmark that measures the speed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from typing import Any
+
+from vllm_overlay import report, settings
+from vllm_overlay.logs import LOG
+from vllm_overlay.mechanisms.wrap import argument
+from vllm_overlay.report import STATE
+from vllm_overlay.spec import PatchSpec, Proof, Support, Target
+
+PATCH_ID = "decode-gemv"
+LINEAR = "vllm.model_executor.layers.linear"
+LIN_PATH = "model_executor/layers/linear.py"
+UTILS_PATH = "model_executor/layers/utils.py"
+SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
+                       "decode_gemv_configs.json")
+OP = "vllm_overlay::decode_gemv"
+CUBLAS = "cublas"  # a table entry: this shape keeps torch.nn.functional.linear on this device
+
+LEGACY = ("UnquantizedLinearMethod.apply calls dispatch_unquantized_gemm() on every call; after a layer's weights "
+          "load, where that returns default_unquantized_gemm, the method's apply is replaced on the instance by one "
+          "calling the overlay's op")
+
+SPEC = PatchSpec(
+    id=PATCH_ID,
+    title="A one-row GEMV for unquantized linear layers at decode (CUDA)",
+    why=" ".join(__doc__.split("\n\n")[1:3]).replace("\n", " ").strip(),
+    upstream="https://github.com/vllm-project/vllm/blob/v0.33.0/vllm/model_executor/layers/utils.py "
+             "(default_unquantized_gemm: torch.nn.functional.linear for every unquantized layer on CUDA)",
+    targets=(Target(LINEAR, "UnquantizedLinearMethod.__init__", vllm=">=0.29.0", wrapper="_init"),
+             Target(LINEAR, "UnquantizedLinearMethod.process_weights_after_loading", wrapper="_after_loading",
+                    params=("layer",))),
+    mechanism="wrap",
+    support=(
+        Support("<0.22.0", "applies", LEGACY + " (as in 0.22.0-0.28.0; this row's source is not in the sweep's "
+                "proofs)"),
+        Support(">=0.22.0,<0.29.0", "applies", LEGACY,
+                (Proof(LIN_PATH, "return dispatch_unquantized_gemm()(layer, x, layer.weight, bias)"),)),
+        Support(">=0.29.0,<=0.33.0", "applies",
+                "UnquantizedLinearMethod.__init__ stores dispatch_unquantized_gemm(linear_backend) as "
+                "self._gemm_impl and apply() calls it; on CUDA without a FlashInfer linear backend that is "
+                "default_unquantized_gemm (torch.nn.functional.linear), which the patch replaces per instance",
+                (Proof(LIN_PATH, "self._gemm_impl = dispatch_unquantized_gemm(linear_backend)"),
+                 Proof(LIN_PATH, "return self._gemm_impl(layer, x, layer.weight, bias)"),
+                 Proof(UTILS_PATH, "def default_unquantized_gemm(\n    layer: torch.nn.Module,\n"
+                                   "    x: torch.Tensor,\n    weight: torch.Tensor,\n"
+                                   "    bias: torch.Tensor | None = None,\n):\n"
+                                   "    return torch.nn.functional.linear(x, weight, bias)"))),
+    ),
+    default=False,
+    enabled_by="VLLM_OVERLAY_DECODE_GEMV",
+    platforms=("cuda",),
+    changes_traced_code=True,
+    retire_when="vLLM's unquantized GEMM on CUDA reads one-row weights at the memory bandwidth (a skinny-GEMM "
+                "path like ROCm's), measured on the devices the table covers.",
+    settings=("VLLM_OVERLAY_DECODE_GEMV", "VLLM_OVERLAY_DECODE_GEMV_CONFIGS"),
+    shown_by=("decode_gemv_calls",),
+    idle_by=("decode_gemv_stood_aside",),
+)
+
+_LOCK = threading.Lock()
+_REGISTERED: list[Any] = []  # the torch.library.Library holding the op (kept alive; inherited on fork)
+_CONFIGS: dict[tuple[int, int, int], Any] = {}  # (N, K, device index) -> kernels.decode_gemv.Config
+_TABLES: dict[str, dict[str, Any]] = {}  # device name -> {"NxK": Config} (user file over shipped table)
+_NOTED: set[str] = set()
+
+
+# ---- the config table -------------------------------------------------------------------------------
+
+
+def load_table(path: str, where: str) -> dict[str, dict[str, Any]]:
+    """{device name: {"NxK": Config or CUBLAS}} from a JSON file {"devices": {name: {"NxK": [bn, bk, warps,
+    stages] or "cublas"}}} ("cublas": cuBLAS was faster for that shape on that device, F.linear keeps it).
+    Raises ValueError naming ``where``, the entry and what is accepted."""
+    from vllm_overlay.kernels.decode_gemv import Config
+
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{where}={path}: cannot read a JSON config table ({exc})") from None
+    devices = raw.get("devices") if isinstance(raw, dict) else None
+    if not isinstance(devices, dict):
+        raise ValueError(f"{where}={path}: expected {{\"devices\": {{DEVICE NAME: {{\"NxK\": [BLOCK_N, BLOCK_K, "
+                         "num_warps, num_stages]}}}}}}")
+    out: dict[str, dict[str, Any]] = {}
+    for name, shapes in devices.items():
+        if not isinstance(shapes, dict):
+            raise ValueError(f"{where}={path}: device {name!r}: expected an object of \"NxK\" -> config")
+        table = {}
+        for key, cfg in shapes.items():
+            n, _, k = str(key).partition("x")
+            if not (n.isdigit() and k.isdigit()):
+                raise ValueError(f"{where}={path}: device {name!r}: key {key!r}: expected \"NxK\" (e.g. \"2048x4096\")")
+            table[f"{int(n)}x{int(k)}"] = CUBLAS if cfg == CUBLAS else Config.from_list(
+                cfg, f"{where}={path}: device {name!r}: {key}")
+        out[name] = table
+    return out
+
+
+def table_for(device_name: str) -> tuple[dict[str, Any], str]:
+    """The tuned configs for this device and where they come from."""
+    with _LOCK:
+        if device_name in _TABLES:
+            return _TABLES[device_name], _TABLES[device_name].get("__source__", "")
+    user = settings.value("VLLM_OVERLAY_DECODE_GEMV_CONFIGS")
+    table: dict[str, Any] = {}
+    source = "heuristic (no tuned table for this device)"
+    if user:
+        found = load_table(str(user), "VLLM_OVERLAY_DECODE_GEMV_CONFIGS").get(device_name)
+        if found:
+            table, source = found, str(user)
+    if not table and os.path.exists(SHIPPED):
+        found = load_table(SHIPPED, "decode-gemv shipped table").get(device_name)
+        if found:
+            table, source = found, SHIPPED
+    with _LOCK:
+        _TABLES[device_name] = {**table, "__source__": source}
+    return table, source
+
+
+def config_for(n: int, k: int, device: Any) -> Any:
+    """The kernel config for an N x K weight on ``device``, or None where the table keeps cuBLAS for
+    that shape (cached per process)."""
+    import torch
+
+    from vllm_overlay.kernels.decode_gemv import heuristic
+
+    index = device.index if device.type == "cuda" else -1
+    key = (n, k, index)
+    if key in _CONFIGS:
+        return _CONFIGS[key]
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        name, sms = props.name, props.multi_processor_count
+    else:  # the Triton interpreter (tests): an H200-sized SM count
+        name, sms = "cpu (Triton interpreter)", 132
+    table, source = table_for(name)
+    cfg = table.get(f"{n}x{k}")
+    if cfg is None:
+        cfg, source = heuristic(n, k, sms), f"heuristic ({sms} SMs)"
+    if cfg == CUBLAS:
+        cfg = None
+    _CONFIGS[key] = cfg
+    report.patch_put(PATCH_ID, "configs", f"{n}x{k}", {"config": cfg.as_list() if cfg else CUBLAS, "device": name,
+                                                       "source": source})
+    return cfg
+
+
+# ---- the op -----------------------------------------------------------------------------------------
+
+
+def eligible(x: Any, weight: Any, bias: Any) -> bool:
+    """One input row and a plain half-precision weight of the same dtype (else F.linear)."""
+    import torch
+
+    k = x.shape[-1]
+    return (x.numel() == k and k > 0 and weight.dim() == 2 and weight.shape[1] == k and weight.stride(1) == 1
+            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+            and (bias is None or (bias.dtype == x.dtype and bias.dim() == 1 and bias.stride(0) == 1))
+            and weight.device == x.device)
+
+
+def _op_impl(x: Any, weight: Any, bias: Any) -> Any:
+    import torch
+
+    cfg = config_for(weight.shape[0], x.shape[-1], x.device) if eligible(x, weight, bias) else None
+    if cfg is None:
+        return torch.nn.functional.linear(x, weight, bias)
+    from vllm_overlay.kernels.decode_gemv import gemv
+
+    STATE.count("decode_gemv_calls")  # eager calls and CUDA graph captures; replays run no Python
+    return gemv(x, weight, bias, cfg)
+
+
+def _op_fake(x: Any, weight: Any, bias: Any) -> Any:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def ensure_op() -> Any:
+    """Register ``vllm_overlay::decode_gemv`` once per process (a forked child inherits it)."""
+    import torch
+
+    with _LOCK:
+        if not _REGISTERED:
+            lib = torch.library.Library("vllm_overlay", "FRAGMENT")
+            lib.define("decode_gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+            for key in ("CUDA", "CPU"):  # CPU: the Triton interpreter in tests (TRITON_INTERPRET=1)
+                lib.impl("decode_gemv", _op_impl, key)
+            torch.library.register_fake(OP, _op_fake, lib=lib)
+            _REGISTERED.append(lib)
+    return torch.ops.vllm_overlay.decode_gemv
+
+
+def overlay_gemm(layer: Any, x: Any, weight: Any, bias: Any = None) -> Any:
+    """What ``UnquantizedLinearMethod.apply`` calls instead of default_unquantized_gemm (traced by
+    torch.compile: a plain function calling one custom op)."""
+    import torch
+
+    return torch.ops.vllm_overlay.decode_gemv(x, weight, bias)
+
+
+# ---- the wrappers -----------------------------------------------------------------------------------
+
+
+def _stand_aside(why: str) -> None:
+    STATE.count("decode_gemv_stood_aside")
+    if why in _NOTED:
+        return
+    _NOTED.add(why)
+    line = f"decode-gemv: stands aside: {why}; those layers keep vLLM's GEMM (counter decode_gemv_stood_aside)"
+    LOG.warning(line)
+    STATE.event(line)
+
+
+def _adopt(impl: Any) -> bool:
+    """Whether the overlay's GEMM may replace ``impl``, vLLM's choice for an unquantized layer (said once
+    per reason where not)."""
+    from vllm.model_executor.layers import utils
+
+    if impl is not utils.default_unquantized_gemm:
+        name = getattr(impl, "__name__", None) or getattr(getattr(impl, "func", None), "__name__", repr(impl))
+        _stand_aside(f"vLLM chose {name} for unquantized linear layers (the patch replaces only "
+                     "default_unquantized_gemm)")
+        return False
+    import vllm.envs as envs
+
+    if getattr(envs, "VLLM_BATCH_INVARIANT", False):
+        _stand_aside("VLLM_BATCH_INVARIANT is set (vLLM's batch-invariant linear runs instead of any GEMM impl)")
+        return False
+    ensure_op()
+    STATE.count("decode_gemv_methods")
+    return True
+
+
+def _legacy_apply(self: Any, layer: Any, x: Any, bias: Any = None) -> Any:
+    """UnquantizedLinearMethod.apply on vLLM < 0.29 for a method the patch adopted."""
+    import torch
+
+    return torch.ops.vllm_overlay.decode_gemv(x, layer.weight, bias)
+
+
+def _init(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    result = wrapped(*args, **kwargs)
+    if hasattr(instance, "_gemm_impl") and _adopt(instance._gemm_impl):  # vLLM >= 0.29
+        instance._gemm_impl = overlay_gemm
+    return result
+
+
+def adopted(instance: Any) -> bool:
+    """Whether this method runs the overlay's GEMM; on vLLM < 0.29 (no _gemm_impl: apply() asks
+    dispatch_unquantized_gemm() on every call) decided here, once per method, after its weights load."""
+    if hasattr(instance, "_gemm_impl"):
+        return instance._gemm_impl is overlay_gemm
+    if "apply" in vars(instance):
+        return getattr(vars(instance)["apply"], "__func__", None) is _legacy_apply
+    from vllm.model_executor.layers import linear
+
+    if not _adopt(linear.dispatch_unquantized_gemm()):
+        return False
+    import types
+
+    instance.apply = types.MethodType(_legacy_apply, instance)
+    return True
+
+
+def _after_loading(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    result = wrapped(*args, **kwargs)
+    if not adopted(instance):
+        return result
+    import torch
+
+    layer = argument(SPEC.targets[1].params, "layer", args, kwargs)
+    w = getattr(layer, "weight", None)
+    if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.stride(1) != 1 or w.dtype not in (torch.bfloat16,
+                                                                                             torch.float16):
+        STATE.count("decode_gemv_weights_not_eligible")
+        return result
+    from vllm_overlay.kernels.decode_gemv import gemv
+
+    # compile this shape's kernel now, outside any CUDA graph capture, and check it runs
+    cfg = config_for(w.shape[0], w.shape[1], w.device)
+    if cfg is None:
+        STATE.count("decode_gemv_weights_kept_cublas")
+        return result
+    with torch.no_grad():
+        gemv(torch.zeros((1, w.shape[1]), dtype=w.dtype, device=w.device), w, None, cfg)
+    STATE.count("decode_gemv_weights_warmed")
+    return result

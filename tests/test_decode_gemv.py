@@ -1,0 +1,205 @@
+"""decode-gemv: its kernel and op (under Triton's interpreter, in a process of their own), its config
+table, what it does with the GEMM vLLM chose for a real UnquantizedLinearMethod of the installed
+(CPU) build, and the bad inputs of its two bench scripts.
+
+The CUDA path itself (vLLM choosing default_unquantized_gemm) cannot run here: where a test needs it,
+vLLM's dispatch is made to return that function, and the test says so."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from vllm_overlay import settings
+from vllm_overlay.patches import decode_gemv as patch
+from vllm_overlay.report import STATE
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def test_kernel_and_op_under_the_interpreter() -> None:
+    try:
+        if importlib.util.find_spec("triton") is None:
+            pytest.skip("needs Triton (runs the kernel with TRITON_INTERPRET=1 on the CPU)")
+    except ValueError:
+        pytest.skip("triton is present only as vLLM's placeholder in this process")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        os.path.join(HERE, "interpreted", "check_decode_gemv.py")],
+                       capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
+    assert " passed" in p.stdout and " failed" not in p.stdout
+
+
+# ---- the config table -------------------------------------------------------------------------------
+
+
+def _write(tmp_path, data) -> str:
+    path = str(tmp_path / "t.json")
+    with open(path, "w") as f:
+        f.write(data if isinstance(data, str) else json.dumps(data))
+    return path
+
+
+@pytest.mark.parametrize("data,message", [
+    ("{not json", "cannot read a JSON config table"),
+    ({"shapes": {}}, 'expected {"devices"'),
+    ({"devices": {"NVIDIA H200": [1, 2]}}, "expected an object of \"NxK\" -> config"),
+    ({"devices": {"NVIDIA H200": {"2048-4096": [4, 1024, 4, 1]}}}, "key '2048-4096': expected \"NxK\""),
+    ({"devices": {"NVIDIA H200": {"2048x4096": [4, 1000, 4, 1]}}}, "the first three powers of two"),
+    ({"devices": {"NVIDIA H200": {"2048x4096": [4, 1024, 4]}}}, "expected [BLOCK_N, BLOCK_K, num_warps, num_stages]"),
+])
+def test_a_bad_table_is_one_clear_error(tmp_path, data, message) -> None:
+    path = _write(tmp_path, data)
+    with pytest.raises(ValueError) as exc:
+        patch.load_table(path, "VLLM_OVERLAY_DECODE_GEMV_CONFIGS")
+    assert str(exc.value).startswith(f"VLLM_OVERLAY_DECODE_GEMV_CONFIGS={path}: ")
+    assert message in str(exc.value)
+
+
+def test_user_table_before_shipped_then_heuristic(tmp_path, monkeypatch) -> None:
+    path = _write(tmp_path, {"devices": {"NVIDIA H200": {"2048x4096": [8, 512, 8, 3]}}})
+    monkeypatch.setenv("VLLM_OVERLAY_DECODE_GEMV_CONFIGS", path)
+    patch._TABLES.clear()
+    try:
+        table, source = patch.table_for("NVIDIA H200")
+        assert source == path and table["2048x4096"].as_list() == [8, 512, 8, 3]
+        table, source = patch.table_for("Some Other GPU")
+        assert source.startswith("heuristic") and not [k for k in table if not k.startswith("__")]
+    finally:
+        patch._TABLES.clear()
+
+
+def test_a_cublas_entry_keeps_linear_for_that_shape(tmp_path, monkeypatch) -> None:
+    import torch
+
+    path = _write(tmp_path, {"devices": {"cpu (Triton interpreter)": {"8x16": "cublas"}}})
+    monkeypatch.setenv("VLLM_OVERLAY_DECODE_GEMV_CONFIGS", path)
+    patch._TABLES.clear()
+    patch._CONFIGS.clear()
+    try:
+        assert patch.config_for(8, 16, torch.device("cpu")) is None
+        assert patch.config_for(8, 32, torch.device("cpu")).as_list() == [1, 32, 4, 1]  # not listed: heuristic
+        assert patch.report.patch_entry(patch.PATCH_ID)["configs"]["8x16"]["config"] == "cublas"
+    finally:
+        patch._TABLES.clear()
+        patch._CONFIGS.clear()
+
+
+def test_the_shipped_table_loads() -> None:
+    tables = patch.load_table(patch.SHIPPED, "decode-gemv shipped table")
+    assert isinstance(tables, dict)
+
+
+def test_settings_are_declared() -> None:
+    assert settings.value("VLLM_OVERLAY_DECODE_GEMV", {}) is False
+    assert settings.value("VLLM_OVERLAY_DECODE_GEMV", {"VLLM_OVERLAY_DECODE_GEMV": "1"}) is True
+    assert settings.value("VLLM_OVERLAY_DECODE_GEMV_CONFIGS", {}) is None
+    assert patch.SPEC.enabled_by == "VLLM_OVERLAY_DECODE_GEMV" and not patch.SPEC.default
+    assert patch.SPEC.changes_traced_code and patch.SPEC.platforms == ("cuda",)
+
+
+# ---- a real UnquantizedLinearMethod of the installed vLLM ---------------------------------------------
+
+
+def _method_through_the_wrapper():
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    method = UnquantizedLinearMethod.__new__(UnquantizedLinearMethod)
+    patch._init(lambda: UnquantizedLinearMethod.__init__(method), method, (), {})
+    return method
+
+
+def test_stands_aside_loudly_where_vllm_chose_another_gemm(caplog) -> None:
+    pytest.importorskip("vllm")
+    patch._NOTED.clear()
+    before = STATE.counters.get("decode_gemv_stood_aside", 0)
+    method = _method_through_the_wrapper()  # the CPU build: cpu_unquantized_gemm
+    assert method._gemm_impl is not patch.overlay_gemm
+    assert STATE.counters.get("decode_gemv_stood_aside", 0) == before + 1
+    assert any("decode-gemv: stands aside: vLLM chose cpu_unquantized_gemm" in e for e in STATE.events)
+
+
+def test_replaces_default_unquantized_gemm(monkeypatch) -> None:
+    """vLLM's dispatch is made to return default_unquantized_gemm, what it returns on CUDA (no GPU
+    here): the method then calls the overlay's op, which the op's CPU key runs as F.linear for
+    a float32 weight (the GEMV is for bf16/fp16)."""
+    pytest.importorskip("vllm")
+    import torch
+    from vllm.model_executor.layers import linear, utils
+
+    monkeypatch.setattr(linear, "dispatch_unquantized_gemm", lambda *a, **k: utils.default_unquantized_gemm)
+    before = STATE.counters.get("decode_gemv_methods", 0)
+    method = _method_through_the_wrapper()
+    assert method._gemm_impl is patch.overlay_gemm
+    assert STATE.counters.get("decode_gemv_methods", 0) == before + 1
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(torch.randn(8, 16), requires_grad=False)
+    x = torch.randn(3, 16)
+    assert torch.equal(method.apply(layer, x), torch.nn.functional.linear(x, layer.weight))
+
+
+# ---- the bench scripts' bad inputs ------------------------------------------------------------------
+
+
+def test_microbenchmark_refuses_bad_arguments() -> None:
+    script = os.path.join(ROOT, "bench", "decode_gemv_h200.py")
+    for args, message in ((["--reps", "0"], "--reps 0: expected an integer >= 1"),
+                          (["--model", "nope"], "--model nope: no such file"),
+                          (["--budget-s", "0"], "--budget-s 0.0: expected seconds > 0")):
+        p = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2 and message in p.stderr, (args, p.stderr)
+
+
+def test_microbenchmark_shapes_of_the_geometry() -> None:
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        import decode_gemv_h200 as bench
+    finally:
+        sys.path.pop(0)
+    cfg = json.load(open(os.path.join(ROOT, "bench", "models", "qwen36-35b-a3b-geometry.json")))
+    got = [(s["n"], s["k"], s["per_step"]) for s in bench.shapes(cfg)]
+    assert got == [(12288, 2048, 30), (64, 2048, 30), (2048, 4096, 40), (9216, 2048, 10), (1024, 2048, 40),
+                   (2048, 512, 40), (1, 2048, 40)]
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"MODEL": "nope"}, "MODEL 'nope': expected a name of bench/models/*.json or tiny"),
+    ({"REPS": "0"}, "REPS '0': expected a whole number > 0"),
+    ({"MICRO": "2"}, "MICRO '2': expected 0 or 1"),
+    ({"STAGGER": "x"}, "STAGGER 'x': expected whole seconds >= 0"),
+    ({"GEMV_CONFIGS": "/nonexistent.json"}, "GEMV_CONFIGS '/nonexistent.json': expected an existing config table"),
+])
+def test_ab_script_refuses_bad_settings(tmp_path, env, message) -> None:
+    p = subprocess.run(["bash", os.path.join(ROOT, "bench", "decode_gemv_ab.sh"), str(tmp_path / "out")],
+                       capture_output=True, text=True, env={**os.environ, **env}, timeout=60)
+    assert p.returncode == 2 and message in p.stderr, p.stderr
+
+
+def test_before_0_29_apply_is_replaced_on_the_instance(monkeypatch) -> None:
+    """vLLM < 0.29 has no _gemm_impl: apply() asks dispatch_unquantized_gemm() on every call. A method
+    object without _gemm_impl stands for such a release's method (the installed build is 0.32.0), and
+    vLLM's dispatch is made to return default_unquantized_gemm (CUDA's choice; no GPU here)."""
+    pytest.importorskip("vllm")
+    import torch
+    from vllm.model_executor.layers import linear, utils
+
+    class OldMethod:
+        def apply(self, layer, x, bias=None):
+            raise AssertionError("the overlay's apply should run")
+
+    monkeypatch.setattr(linear, "dispatch_unquantized_gemm", lambda *a, **k: utils.default_unquantized_gemm)
+    method = OldMethod()
+    assert patch.adopted(method) and patch.adopted(method)  # decided once, then read back
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(torch.randn(8, 16), requires_grad=False)
+    x = torch.randn(2, 16)
+    assert torch.equal(method.apply(layer, x), torch.nn.functional.linear(x, layer.weight))
+    monkeypatch.setattr(linear, "dispatch_unquantized_gemm", lambda *a, **k: utils.cpu_unquantized_gemm)
+    assert not patch.adopted(OldMethod())

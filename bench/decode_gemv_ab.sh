@@ -19,7 +19,7 @@
 # MAX_NUM_SEQS (128: 2.5 GiB of KV cache hold 240 Mamba blocks for the geometry's 30 GDN layers),
 # MAX_CAPTURE (128), STAGGER (60), WAIT (900 s for a server to serve), PORT0 (8061; stock PORT0+1),
 # MICRO (1; 0 skips the microbenchmark: the lever server then uses GEMV_CONFIGS, the shipped table or
-# the heuristic), GEMV_CONFIGS (a config table for the lever server instead of the one measured here),
+# the heuristic), MICRO_BUDGET (150: its --budget-s), GEMV_CONFIGS (a config table for the lever server instead of the one measured here),
 # LEVER_ENV (more overlay settings for the lever server, "NAME=VALUE ...").
 # Writes OUT_DIR/gemv.json (microbenchmark), OUT_DIR/gemv-configs.json, OUT_DIR/compare.json, and the
 # servers' state folders (steps.json, logprobs.json, serve.log, overlay reports) under OUT_DIR/stack.
@@ -44,6 +44,7 @@ stagger=${STAGGER:-60}
 wait_s=${WAIT:-900}
 port0=${PORT0:-8061}
 micro=${MICRO:-1}
+micro_budget=${MICRO_BUDGET:-150}
 configs=${GEMV_CONFIGS:-}
 lever_env=${LEVER_ENV:-}
 py=${PYTHON:-python3}
@@ -55,6 +56,7 @@ for v in TOKENS:$tokens REPS:$reps PROMPTS:$prompts LP_TOKENS:$lp_tokens MNBT:$m
 done
 [[ "$stagger" =~ ^[0-9]+$ ]] || fail STAGGER "$stagger" "whole seconds >= 0"
 [[ "$micro" == 0 || "$micro" == 1 ]] || fail MICRO "$micro" "0 or 1"
+[[ "$micro_budget" =~ ^[1-9][0-9]*$ ]] || fail MICRO_BUDGET "$micro_budget" "whole seconds > 0"
 [[ -z "$kv_bytes" || "$kv_bytes" =~ ^[0-9]+$ ]] || fail KV_BYTES "$kv_bytes" "bytes (a whole number) or empty"
 [[ -f "$here/models/$model.json" || "$model" == tiny ]] || fail MODEL "$model" "a name of bench/models/*.json or tiny"
 [[ -z "$configs" || -f "$configs" ]] || fail GEMV_CONFIGS "$configs" "an existing config table file"
@@ -65,7 +67,7 @@ say() { echo "decode_gemv_ab: $(date -u +%H:%M:%S) (+$((SECONDS - t0)) s) $*"; }
 
 if [[ "$micro" == 1 ]]; then
   say "GEMV microbenchmark ($model shapes)"
-  if "$py" "$here/decode_gemv_h200.py" --model "$model" --out "$out/gemv.json" \
+  if "$py" "$here/decode_gemv_h200.py" --model "$model" --out "$out/gemv.json" --budget-s "$micro_budget" \
        --write-configs "$out/gemv-configs.json" 2>&1 | tee "$out/gemv.log"; then
     [[ -n "$configs" ]] || configs="$out/gemv-configs.json"
   else

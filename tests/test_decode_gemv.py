@@ -98,11 +98,28 @@ def test_the_shipped_table_loads() -> None:
 
 
 def test_settings_are_declared() -> None:
-    assert settings.value("VLLM_OVERLAY_DECODE_GEMV", {}) is False
+    assert settings.value("VLLM_OVERLAY_DECODE_GEMV", {}) == "auto"
+    assert settings.value("VLLM_OVERLAY_DECODE_GEMV", {"VLLM_OVERLAY_DECODE_GEMV": "AUTO"}) == "auto"
     assert settings.value("VLLM_OVERLAY_DECODE_GEMV", {"VLLM_OVERLAY_DECODE_GEMV": "1"}) is True
+    assert settings.value("VLLM_OVERLAY_DECODE_GEMV", {"VLLM_OVERLAY_DECODE_GEMV": "off"}) is False
+    with pytest.raises(Exception) as exc:
+        settings.value("VLLM_OVERLAY_DECODE_GEMV", {"VLLM_OVERLAY_DECODE_GEMV": "maybe"})
+    assert "VLLM_OVERLAY_DECODE_GEMV" in str(exc.value) and "auto, 1 or 0" in str(exc.value)
     assert settings.value("VLLM_OVERLAY_DECODE_GEMV_CONFIGS", {}) is None
-    assert patch.SPEC.enabled_by == "VLLM_OVERLAY_DECODE_GEMV" and not patch.SPEC.default
+    assert patch.SPEC.disabled_by == "VLLM_OVERLAY_DECODE_GEMV" and patch.SPEC.default
     assert patch.SPEC.changes_traced_code and patch.SPEC.platforms == ("cuda",)
+
+
+def test_auto_is_on_only_where_a_table_was_measured(tmp_path, monkeypatch) -> None:
+    assert patch.shipped_proven() == {"NVIDIA H200": ["0.33.0"]}
+    assert patch.auto_refusal("NVIDIA H200", "0.33.0") is None
+    why = patch.auto_refusal("NVIDIA H200", "0.27.1")
+    assert why.startswith("VLLM_OVERLAY_DECODE_GEMV=auto and no GEMV table was measured for NVIDIA H200 on vLLM 0.27.1")
+    assert "the shipped table covers NVIDIA H200 on vLLM 0.33.0" in why and "VLLM_OVERLAY_DECODE_GEMV=1" in why
+    assert patch.auto_refusal("NVIDIA A100-SXM4-80GB", "0.33.0")
+    path = _write(tmp_path, {"devices": {"NVIDIA A100-SXM4-80GB": {"2048x4096": [4, 1024, 4, 1]}}})
+    monkeypatch.setenv("VLLM_OVERLAY_DECODE_GEMV_CONFIGS", path)
+    assert patch.auto_refusal("NVIDIA A100-SXM4-80GB", "0.33.0") is None  # the user's own table covers it
 
 
 # ---- a real UnquantizedLinearMethod of the installed vLLM ---------------------------------------------
@@ -126,14 +143,29 @@ def test_stands_aside_loudly_where_vllm_chose_another_gemm(caplog) -> None:
     assert any("decode-gemv: stands aside: vLLM chose cpu_unquantized_gemm" in e for e in STATE.events)
 
 
+def test_auto_without_a_cuda_device_stands_aside(monkeypatch) -> None:
+    """vLLM's dispatch is made to return default_unquantized_gemm (CUDA's choice): under the default
+    VLLM_OVERLAY_DECODE_GEMV=auto, a process without a CUDA device (this one) keeps vLLM's GEMM, loudly."""
+    pytest.importorskip("vllm")
+    from vllm.model_executor.layers import linear, utils
+
+    monkeypatch.delenv("VLLM_OVERLAY_DECODE_GEMV", raising=False)
+    monkeypatch.setattr(linear, "dispatch_unquantized_gemm", lambda *a, **k: utils.default_unquantized_gemm)
+    patch._NOTED.clear()
+    method = _method_through_the_wrapper()
+    assert method._gemm_impl is utils.default_unquantized_gemm
+    assert any("no GEMV table was measured for no CUDA device" in e for e in STATE.events)
+
+
 def test_replaces_default_unquantized_gemm(monkeypatch) -> None:
     """vLLM's dispatch is made to return default_unquantized_gemm, what it returns on CUDA (no GPU
-    here): the method then calls the overlay's op, which the op's CPU key runs as F.linear for
-    a float32 weight (the GEMV is for bf16/fp16)."""
+    here), and VLLM_OVERLAY_DECODE_GEMV=1: the method then calls the overlay's op, which the op's CPU
+    key runs as F.linear for a float32 weight (the GEMV is for bf16/fp16)."""
     pytest.importorskip("vllm")
     import torch
     from vllm.model_executor.layers import linear, utils
 
+    monkeypatch.setenv("VLLM_OVERLAY_DECODE_GEMV", "1")
     monkeypatch.setattr(linear, "dispatch_unquantized_gemm", lambda *a, **k: utils.default_unquantized_gemm)
     before = STATE.counters.get("decode_gemv_methods", 0)
     method = _method_through_the_wrapper()
@@ -194,6 +226,7 @@ def test_before_0_29_apply_is_replaced_on_the_instance(monkeypatch) -> None:
         def apply(self, layer, x, bias=None):
             raise AssertionError("the overlay's apply should run")
 
+    monkeypatch.setenv("VLLM_OVERLAY_DECODE_GEMV", "1")
     monkeypatch.setattr(linear, "dispatch_unquantized_gemm", lambda *a, **k: utils.default_unquantized_gemm)
     method = OldMethod()
     assert patch.adopted(method) and patch.adopted(method)  # decided once, then read back

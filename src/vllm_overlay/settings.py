@@ -67,6 +67,11 @@ def _bool(raw: str) -> bool:
     raise ValueError
 
 
+def _auto_bool(raw: str) -> bool | str:
+    """"auto", or a boolean as _bool reads it."""
+    return "auto" if raw.strip().lower() == "auto" else _bool(raw)
+
+
 def _id_list(raw: str) -> tuple[str, ...]:
     items = tuple(part.strip() for part in raw.split(",") if part.strip())
     for item in items:
@@ -225,11 +230,13 @@ SETTINGS: tuple[Setting, ...] = (
         "vllm-overlay/moe-configs under $XDG_CACHE_HOME (or ~/.cache).",
     ),
     Setting(
-        "VLLM_OVERLAY_DECODE_GEMV", _bool, False, "1 or 0",
-        "decode-gemv (CUDA): 1 runs the unquantized linear layers of a one-row forward (decode at one "
-        "stream) through the overlay's Triton GEMV instead of cuBLAS; larger forwards keep "
-        "torch.nn.functional.linear. Outputs can differ from stock by a bf16 rounding step; "
-        "bench/decode_gemv_h200.py measures both.",
+        "VLLM_OVERLAY_DECODE_GEMV", _auto_bool, "auto", "auto, 1 or 0 (also true/false, yes/no, on/off)",
+        "decode-gemv (CUDA): the unquantized linear layers of a one-row forward (decode at one stream) run "
+        "the overlay's Triton GEMV instead of cuBLAS; larger forwards keep torch.nn.functional.linear. "
+        "auto: only on a device and vLLM release the shipped table was measured on (NVIDIA H200, vLLM "
+        "0.33.0), or a device VLLM_OVERLAY_DECODE_GEMV_CONFIGS covers; elsewhere those layers keep cuBLAS "
+        "with one WARNING. 1: on every CUDA device (heuristic configs where no table covers it). 0: off. "
+        "Outputs can differ from stock by a bf16 rounding step (bench/decode_gemv_ab.sh compares them).",
     ),
     Setting(
         "VLLM_OVERLAY_DECODE_GEMV_CONFIGS", _path, None, "a path to a JSON file",

@@ -15,7 +15,10 @@ other dtypes). The choice is made when the op runs, not when it is traced, so on
 serves every batch size and a CUDA graph of one row captures the GEMV. Each weight's kernel is
 compiled after the weights load, before any CUDA graph is captured. The kernel's tile sizes come
 from a table tuned per device (``data/decode_gemv_configs.json``, or the file named by
-``VLLM_OVERLAY_DECODE_GEMV_CONFIGS``) and otherwise from a heuristic on the SM count.
+``VLLM_OVERLAY_DECODE_GEMV_CONFIGS``) and otherwise from a heuristic on the SM count. By default
+(``VLLM_OVERLAY_DECODE_GEMV=auto``) the patch acts only on a device and vLLM release where a served
+A/B against stock measured the shipped table (the table's "proven" entry), or on a device the user's
+own table covers; elsewhere those layers keep cuBLAS, said once per process.
 
 Outputs are the same sums as cuBLAS's, added in another order in fp32 and rounded once: they can
 differ from stock by one bf16 rounding step in some elements, so greedy outputs and logprobs are
@@ -50,7 +53,7 @@ LEGACY = ("UnquantizedLinearMethod.apply calls dispatch_unquantized_gemm() on ev
 
 SPEC = PatchSpec(
     id=PATCH_ID,
-    title="A one-row GEMV for unquantized linear layers at decode (CUDA)",
+    title="A one-row GEMV for unquantized linear layers at decode (CUDA; by default where measured: H200, 0.33.0)",
     why=" ".join(__doc__.split("\n\n")[1:3]).replace("\n", " ").strip(),
     upstream="https://github.com/vllm-project/vllm/blob/v0.33.0/vllm/model_executor/layers/utils.py "
              "(default_unquantized_gemm: torch.nn.functional.linear for every unquantized layer on CUDA)",
@@ -74,8 +77,8 @@ SPEC = PatchSpec(
                                    "    bias: torch.Tensor | None = None,\n):\n"
                                    "    return torch.nn.functional.linear(x, weight, bias)"))),
     ),
-    default=False,
-    enabled_by="VLLM_OVERLAY_DECODE_GEMV",
+    default=True,
+    disabled_by="VLLM_OVERLAY_DECODE_GEMV",
     platforms=("cuda",),
     changes_traced_code=True,
     retire_when="vLLM's unquantized GEMM on CUDA reads one-row weights at the memory bandwidth (a skinny-GEMM "
@@ -144,6 +147,31 @@ def table_for(device_name: str) -> tuple[dict[str, Any], str]:
     with _LOCK:
         _TABLES[device_name] = {**table, "__source__": source}
     return table, source
+
+
+def shipped_proven() -> dict[str, list[str]]:
+    """{device name: [vLLM releases]} where the shipped table was measured against stock in a served
+    A/B (the table's "proven" entry): where VLLM_OVERLAY_DECODE_GEMV=auto turns the GEMV on."""
+    try:
+        with open(SHIPPED) as f:
+            proven = json.load(f).get("proven") or {}
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return {}
+    return {str(k): [str(v) for v in vs] for k, vs in proven.items() if isinstance(vs, list)}
+
+
+def auto_refusal(device_name: str, version: str | None) -> str | None:
+    """Why VLLM_OVERLAY_DECODE_GEMV=auto keeps cuBLAS on this device and release, or None."""
+    user = settings.value("VLLM_OVERLAY_DECODE_GEMV_CONFIGS")
+    if user and device_name in load_table(str(user), "VLLM_OVERLAY_DECODE_GEMV_CONFIGS"):
+        return None
+    proven = shipped_proven()
+    if version in proven.get(device_name, []):
+        return None
+    covered = "; ".join(f"{d} on vLLM {', '.join(v)}" for d, v in sorted(proven.items())) or "nothing"
+    return (f"VLLM_OVERLAY_DECODE_GEMV=auto and no GEMV table was measured for {device_name} on vLLM {version} "
+            f"(the shipped table covers {covered}); VLLM_OVERLAY_DECODE_GEMV=1 runs the GEMV with heuristic "
+            "configs, VLLM_OVERLAY_DECODE_GEMV_CONFIGS with a table tuned by bench/decode_gemv_h200.py")
 
 
 def config_for(n: int, k: int, device: Any) -> Any:
@@ -255,6 +283,15 @@ def _adopt(impl: Any) -> bool:
     if getattr(envs, "VLLM_BATCH_INVARIANT", False):
         _stand_aside("VLLM_BATCH_INVARIANT is set (vLLM's batch-invariant linear runs instead of any GEMM impl)")
         return False
+    if settings.value("VLLM_OVERLAY_DECODE_GEMV") == "auto":
+        import torch
+
+        name = torch.cuda.get_device_properties(torch.cuda.current_device()).name if torch.cuda.is_available() \
+            else "no CUDA device"
+        why = auto_refusal(name, STATE.vllm_version)
+        if why:
+            _stand_aside(why)
+            return False
     ensure_op()
     STATE.count("decode_gemv_methods")
     return True

@@ -114,3 +114,25 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 @pytest.fixture(scope="session")
 def vllm_digest_before() -> Iterator[str]:
     yield _DIGEST_BEFORE[0]
+
+
+@pytest.fixture
+def run_interpreted() -> Any:
+    """run(name): tests/interpreted/NAME under Triton's interpreter in a fresh process (vLLM's CPU
+    build replaces `triton` with a placeholder once vLLM is imported, which other tests of this session
+    do), asserting that its tests passed; skips where Triton is not installed."""
+    import importlib.util
+
+    def run(name: str) -> None:
+        try:
+            if importlib.util.find_spec("triton") is None:
+                pytest.skip("needs Triton (runs the kernel with TRITON_INTERPRET=1 on the CPU)")
+        except ValueError:
+            pytest.skip("triton is present only as vLLM's placeholder in this process")
+        p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                            os.path.join(HERE, "interpreted", name)], capture_output=True, text=True,
+                           env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=900, cwd=os.path.dirname(HERE))
+        assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
+        assert " passed" in p.stdout and " failed" not in p.stdout
+
+    return run

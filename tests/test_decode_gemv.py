@@ -7,7 +7,6 @@ vLLM's dispatch is made to return that function, and the test says so."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -23,18 +22,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
-def test_kernel_and_op_under_the_interpreter() -> None:
-    try:
-        if importlib.util.find_spec("triton") is None:
-            pytest.skip("needs Triton (runs the kernel with TRITON_INTERPRET=1 on the CPU)")
-    except ValueError:
-        pytest.skip("triton is present only as vLLM's placeholder in this process")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        os.path.join(HERE, "interpreted", "check_decode_gemv.py")],
-                       capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
-    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
-    assert " passed" in p.stdout and " failed" not in p.stdout
+def test_kernel_and_op_under_the_interpreter(run_interpreted) -> None:
+    run_interpreted("check_decode_gemv.py")
 
 
 # ---- the config table -------------------------------------------------------------------------------

@@ -20,7 +20,11 @@
 # MAX_CAPTURE (128), STAGGER (60), WAIT (900 s for a server to serve), PORT0 (8061; stock PORT0+1),
 # MICRO (1; 0 skips the microbenchmark: the lever server then uses GEMV_CONFIGS, the shipped table or
 # the heuristic), MICRO_BUDGET (150: its --budget-s), GEMV_CONFIGS (a config table for the lever server instead of the one measured here),
-# LEVER_ENV (more overlay settings for the lever server, "NAME=VALUE ...").
+# LEVER_ENV (more overlay settings for the lever server, "NAME=VALUE ..."), GEMV (1: the lever server runs
+# decode-gemv, VLLM_OVERLAY_DECODE_GEMV=1; 0: it runs with VLLM_OVERLAY_DECODE_GEMV=0, for a lever measured
+# without it), TUNE_MOE (0; 1: before the boots, `vllm-overlay tune-moe` tunes the model's fused-MoE shape
+# at TUNE_BATCHES (1,2,4,8,16,32,64,128) into OUT_DIR/moe-configs, TUNE_LIMIT seconds at most (300), and
+# the lever server reads that folder: VLLM_OVERLAY_MOE_CONFIG_DIR).
 # Writes OUT_DIR/gemv.json (microbenchmark), OUT_DIR/gemv-configs.json, OUT_DIR/compare.json, and the
 # servers' state folders (steps.json, logprobs.json, serve.log, overlay reports) under OUT_DIR/stack.
 set -u -o pipefail
@@ -47,6 +51,10 @@ micro=${MICRO:-1}
 micro_budget=${MICRO_BUDGET:-150}
 configs=${GEMV_CONFIGS:-}
 lever_env=${LEVER_ENV:-}
+gemv=${GEMV:-1}
+tune_moe=${TUNE_MOE:-0}
+tune_batches=${TUNE_BATCHES:-1,2,4,8,16,32,64,128}
+tune_limit=${TUNE_LIMIT:-300}
 py=${PYTHON:-python3}
 
 fail() { echo "decode_gemv_ab: $1 '$2': expected $3" >&2; exit 2; }
@@ -56,6 +64,10 @@ for v in TOKENS:$tokens REPS:$reps PROMPTS:$prompts LP_TOKENS:$lp_tokens MNBT:$m
 done
 [[ "$stagger" =~ ^[0-9]+$ ]] || fail STAGGER "$stagger" "whole seconds >= 0"
 [[ "$micro" == 0 || "$micro" == 1 ]] || fail MICRO "$micro" "0 or 1"
+[[ "$gemv" == 0 || "$gemv" == 1 ]] || fail GEMV "$gemv" "0 or 1"
+[[ "$tune_moe" == 0 || "$tune_moe" == 1 ]] || fail TUNE_MOE "$tune_moe" "0 or 1"
+[[ "$tune_batches" =~ ^[1-9][0-9]*(,[1-9][0-9]*)*$ ]] || fail TUNE_BATCHES "$tune_batches" "batch sizes such as 1,16,64"
+[[ "$tune_limit" =~ ^[1-9][0-9]*$ ]] || fail TUNE_LIMIT "$tune_limit" "whole seconds > 0"
 [[ "$micro_budget" =~ ^[1-9][0-9]*$ ]] || fail MICRO_BUDGET "$micro_budget" "whole seconds > 0"
 [[ -z "$kv_bytes" || "$kv_bytes" =~ ^[0-9]+$ ]] || fail KV_BYTES "$kv_bytes" "bytes (a whole number) or empty"
 [[ -f "$here/models/$model.json" || "$model" == tiny ]] || fail MODEL "$model" "a name of bench/models/*.json or tiny"
@@ -75,9 +87,24 @@ if [[ "$micro" == 1 ]]; then
   fi
 fi
 
+moe_dir=""
+if [[ "$tune_moe" == 1 ]]; then
+  read -r experts hidden inter topk < <("$py" -c "import json,sys; c=json.load(open(sys.argv[1])); print(c['num_experts'], \
+c['hidden_size'], c['moe_intermediate_size'], c['num_experts_per_tok'])" "$here/models/$model.json") \
+    || { echo "decode_gemv_ab: TUNE_MOE=1: $model's config names no MoE shape (num_experts, moe_intermediate_size, ...)" >&2; exit 2; }
+  say "fused-MoE tuning (E=$experts, N=$inter, hidden $hidden, top-$topk, batch sizes $tune_batches, at most $tune_limit s)"
+  if "$py" -m vllm_overlay tune-moe --experts "$experts" --intermediate "$inter" --hidden "$hidden" --topk "$topk" \
+       --dtype bf16 --batch-sizes "$tune_batches" --search quick --time-limit "$tune_limit" --out-dir "$out/moe-configs" \
+       2>&1 | tee "$out/tune-moe.log"; then
+    moe_dir="$out/moe-configs"
+  else
+    say "tune-moe did not finish ($out/tune-moe.log); no boot"; exit 1
+  fi
+fi
+
 declare -A port env
 port[gemv]=$port0; port[stock]=$((port0 + 1))
-env[gemv]="VLLM_OVERLAY_DECODE_GEMV=1${configs:+ VLLM_OVERLAY_DECODE_GEMV_CONFIGS=$configs}${lever_env:+ $lever_env}"
+env[gemv]="VLLM_OVERLAY_DECODE_GEMV=$gemv${configs:+ VLLM_OVERLAY_DECODE_GEMV_CONFIGS=$configs}${moe_dir:+ VLLM_OVERLAY_MOE_CONFIG_DIR=$moe_dir}${lever_env:+ $lever_env}"
 env[stock]=""
 boot() {  # $1 label
   local cfg=overlay; [[ $1 == stock ]] && cfg=stock

@@ -196,6 +196,11 @@ def test_microbenchmark_shapes_of_the_geometry() -> None:
     ({"MICRO": "2"}, "MICRO '2': expected 0 or 1"),
     ({"STAGGER": "x"}, "STAGGER 'x': expected whole seconds >= 0"),
     ({"GEMV_CONFIGS": "/nonexistent.json"}, "GEMV_CONFIGS '/nonexistent.json': expected an existing config table"),
+    ({"GEMV": "yes"}, "GEMV 'yes': expected 0 or 1"),
+    ({"TUNE_MOE": "2"}, "TUNE_MOE '2': expected 0 or 1"),
+    ({"TUNE_BATCHES": "1,x"}, "TUNE_BATCHES '1,x': expected batch sizes such as 1,16,64"),
+    ({"TUNE_LIMIT": "0"}, "TUNE_LIMIT '0': expected whole seconds > 0"),
+    ({"MICRO_BUDGET": "x"}, "MICRO_BUDGET 'x': expected whole seconds > 0"),
 ])
 def test_ab_script_refuses_bad_settings(tmp_path, env, message) -> None:
     p = subprocess.run(["bash", os.path.join(ROOT, "bench", "decode_gemv_ab.sh"), str(tmp_path / "out")],

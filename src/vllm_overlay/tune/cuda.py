@@ -9,6 +9,7 @@ GEMM, activation, down GEMM) on ``batch`` tokens.
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 from typing import Any
 
@@ -91,8 +92,12 @@ class CudaBench:
         w1, w2, qc = self._weights(shape)
         x, topk_w, topk_ids = self._inputs(shape, batch)
 
+        kwargs: dict[str, Any] = {"quant_config": qc}
+        if "inplace" in inspect.signature(fused_experts).parameters:  # 0.22.0 takes it; 0.26.0-0.33.0 do not
+            kwargs["inplace"] = False
+
         def call() -> Any:
-            return fused_experts(x, w1, w2, topk_w, topk_ids, inplace=False, quant_config=qc)
+            return fused_experts(x, w1, w2, topk_w, topk_ids, **kwargs)
 
         with override_config(dict(config)):
             call()  # compiles this config's kernels outside the graph

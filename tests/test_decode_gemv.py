@@ -230,3 +230,29 @@ def test_before_0_29_apply_is_replaced_on_the_instance(monkeypatch) -> None:
     assert torch.equal(method.apply(layer, x), torch.nn.functional.linear(x, layer.weight))
     monkeypatch.setattr(linear, "dispatch_unquantized_gemm", lambda *a, **k: utils.cpu_unquantized_gemm)
     assert not patch.adopted(OldMethod())
+
+
+def test_auto_keeps_cublas_without_cuda_graphs(monkeypatch) -> None:
+    """Under auto, an engine built without CUDA graphs keeps cuBLAS (the GEMV's host-side launch would
+    be paid on every call). The engine config is a stand-in with the two fields read (building a real
+    one needs a model); vLLM's dispatch is made to return CUDA's choice."""
+    pytest.importorskip("vllm")
+    import types
+
+    import vllm.config
+    from vllm.model_executor.layers import linear, utils
+
+    monkeypatch.delenv("VLLM_OVERLAY_DECODE_GEMV", raising=False)
+    monkeypatch.setattr(linear, "dispatch_unquantized_gemm", lambda *a, **k: utils.default_unquantized_gemm)
+    for cfg, why in ((types.SimpleNamespace(model_config=types.SimpleNamespace(enforce_eager=True)),
+                      "enforce_eager is set"),
+                     (types.SimpleNamespace(model_config=types.SimpleNamespace(enforce_eager=False),
+                                            compilation_config=types.SimpleNamespace(
+                                                cudagraph_mode=types.SimpleNamespace(name="NONE"))),
+                      "cudagraph_mode is NONE")):
+        monkeypatch.setattr(vllm.config, "get_current_vllm_config_or_none", lambda cfg=cfg: cfg)
+        assert patch.graphs_off() == why
+        patch._NOTED.clear()
+        method = _method_through_the_wrapper()
+        assert method._gemm_impl is utils.default_unquantized_gemm
+        assert any(f"VLLM_OVERLAY_DECODE_GEMV=auto and {why}" in e for e in STATE.events)

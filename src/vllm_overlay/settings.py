@@ -234,8 +234,8 @@ SETTINGS: tuple[Setting, ...] = (
         "decode-gemv (CUDA): the unquantized linear layers of a one-row forward (decode at one stream) run "
         "the overlay's Triton GEMV instead of cuBLAS; larger forwards keep torch.nn.functional.linear. "
         "auto: only on a device and vLLM release the shipped table was measured on (NVIDIA H200, vLLM "
-        "0.33.0), or a device VLLM_OVERLAY_DECODE_GEMV_CONFIGS covers; elsewhere those layers keep cuBLAS "
-        "with one WARNING. 1: on every CUDA device (heuristic configs where no table covers it). 0: off. "
+        "0.33.0), or a device VLLM_OVERLAY_DECODE_GEMV_CONFIGS covers, and with CUDA graphs on; elsewhere "
+        "those layers keep cuBLAS with one WARNING. 1: on every CUDA device (heuristic configs where no table covers it). 0: off. "
         "Outputs can differ from stock by a bf16 rounding step (bench/decode_gemv_ab.sh compares them).",
     ),
     Setting(

@@ -18,7 +18,7 @@ from a table tuned per device (``data/decode_gemv_configs.json``, or the file na
 ``VLLM_OVERLAY_DECODE_GEMV_CONFIGS``) and otherwise from a heuristic on the SM count. By default
 (``VLLM_OVERLAY_DECODE_GEMV=auto``) the patch acts only on a device and vLLM release where a served
 A/B against stock measured the shipped table (the table's "proven" entry), or on a device the user's
-own table covers; elsewhere those layers keep cuBLAS, said once per process.
+own table covers, and with CUDA graphs on; elsewhere those layers keep cuBLAS, said once per process.
 
 Outputs are the same sums as cuBLAS's, added in another order in fp32 and rounded once: they can
 differ from stock by one bf16 rounding step in some elements, so greedy outputs and logprobs are
@@ -284,6 +284,12 @@ def _adopt(impl: Any) -> bool:
         _stand_aside("VLLM_BATCH_INVARIANT is set (vLLM's batch-invariant linear runs instead of any GEMM impl)")
         return False
     if settings.value("VLLM_OVERLAY_DECODE_GEMV") == "auto":
+        eager = graphs_off()
+        if eager:
+            _stand_aside(f"VLLM_OVERLAY_DECODE_GEMV=auto and {eager}: without CUDA graphs every call pays the GEMV's "
+                         "launch on the host, where the measured gain was with graphs (VLLM_OVERLAY_DECODE_GEMV=1 "
+                         "runs it anyway)")
+            return False
         import torch
 
         name = torch.cuda.get_device_properties(torch.cuda.current_device()).name if torch.cuda.is_available() \
@@ -295,6 +301,23 @@ def _adopt(impl: Any) -> bool:
     ensure_op()
     STATE.count("decode_gemv_methods")
     return True
+
+
+def graphs_off() -> str | None:
+    """Why the engine being built runs without CUDA graphs (enforce_eager, cudagraph_mode NONE), or None."""
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+    except ImportError:  # older releases: only get_current_vllm_config
+        return None
+    cfg = get_current_vllm_config_or_none()
+    if cfg is None:
+        return None
+    if getattr(getattr(cfg, "model_config", None), "enforce_eager", False):
+        return "enforce_eager is set"
+    mode = getattr(getattr(cfg, "compilation_config", None), "cudagraph_mode", None)
+    if mode is not None and getattr(mode, "name", str(mode)) == "NONE":
+        return "cudagraph_mode is NONE"
+    return None
 
 
 def _legacy_apply(self: Any, layer: Any, x: Any, bias: Any = None) -> Any:

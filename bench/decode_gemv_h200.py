@@ -7,8 +7,9 @@ graph, the kernel config that is fastest per shape, and how the outputs compare.
 Needs a CUDA GPU with torch and Triton (not vLLM). The shapes are the unquantized linear layers of
 one decode step of the model (bench/models/NAME.json, a Qwen3-Next config): per GDN layer
 in_proj_qkvz, in_proj_ba and out_proj, per full-attention layer qkv_proj (gated query) and o_proj,
-per layer the shared expert's gate_up and down and its gate. The MoE router gate is left out (vLLM
-0.33.0 runs it through its own GateLinear kernels, not the linear method this GEMV replaces).
+per layer the MoE router gate and the shared expert's gate_up, down and gate. (vLLM 0.33.0's router
+gate, GateLinear, runs its own GEMM kernels where they are available and this linear method otherwise:
+in the served runs of 2026-12-05 it took the GEMV.)
 
 Per shape: the weight is copied until the copies hold at least --min-mib (default 512 MiB, ten
 times the H200's L2) so the calls read HBM as a decode step does (copies are capped at 4096, so the
@@ -60,6 +61,8 @@ def shapes(cfg: dict[str, Any]) -> list[dict[str, Any]]:
         {"name": "qkv_proj (gated q)", "n": 2 * nh * hd + 2 * nkv * hd, "k": h, "per_step": attn},
         {"name": "o_proj", "n": h, "k": nh * hd, "per_step": attn},
     ]
+    if cfg.get("num_experts"):
+        out.append({"name": "router gate", "n": cfg["num_experts"], "k": h, "per_step": layers})
     if sh:
         out += [{"name": "shared_expert gate_up", "n": 2 * sh, "k": h, "per_step": layers},
                 {"name": "shared_expert down", "n": h, "k": sh, "per_step": layers},

@@ -27,6 +27,7 @@ compared against stock in the benchmark that measures the speed.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import threading
@@ -91,7 +92,7 @@ SPEC = PatchSpec(
 _LOCK = threading.Lock()
 _REGISTERED: list[Any] = []  # the torch.library.Library holding the op (kept alive; inherited on fork)
 _CONFIGS: dict[tuple[int, int, int], Any] = {}  # (N, K, device index) -> kernels.decode_gemv.Config
-_TABLES: dict[str, dict[str, Any]] = {}  # device name -> {"NxK": Config} (user file over shipped table)
+_TABLES: dict[str, tuple[dict[str, Any], str]] = {}  # device name -> ({"NxK": Config}, its source)
 _NOTED: set[str] = set()
 
 
@@ -132,7 +133,7 @@ def table_for(device_name: str) -> tuple[dict[str, Any], str]:
     """The tuned configs for this device and where they come from."""
     with _LOCK:
         if device_name in _TABLES:
-            return _TABLES[device_name], _TABLES[device_name].get("__source__", "")
+            return _TABLES[device_name]
     user = settings.value("VLLM_OVERLAY_DECODE_GEMV_CONFIGS")
     table: dict[str, Any] = {}
     source = "heuristic (no tuned table for this device)"
@@ -145,10 +146,11 @@ def table_for(device_name: str) -> tuple[dict[str, Any], str]:
         if found:
             table, source = found, SHIPPED
     with _LOCK:
-        _TABLES[device_name] = {**table, "__source__": source}
+        _TABLES[device_name] = (table, source)
     return table, source
 
 
+@functools.lru_cache(maxsize=1)
 def shipped_proven() -> dict[str, list[str]]:
     """{device name: [vLLM releases]} where the shipped table was measured against stock in a served
     A/B (the table's "proven" entry): where VLLM_OVERLAY_DECODE_GEMV=auto turns the GEMV on."""
@@ -163,7 +165,7 @@ def shipped_proven() -> dict[str, list[str]]:
 def auto_refusal(device_name: str, version: str | None) -> str | None:
     """Why VLLM_OVERLAY_DECODE_GEMV=auto keeps cuBLAS on this device and release, or None."""
     user = settings.value("VLLM_OVERLAY_DECODE_GEMV_CONFIGS")
-    if user and device_name in load_table(str(user), "VLLM_OVERLAY_DECODE_GEMV_CONFIGS"):
+    if user and table_for(device_name)[1] == str(user):  # the user's table covers this device
         return None
     proven = shipped_proven()
     if version in proven.get(device_name, []):

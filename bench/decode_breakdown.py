@@ -11,9 +11,9 @@ Boots a server with `bench/stack.py boot` (bf16 KV, no MTP, graphs captured up t
 DIR is `--trace-dir`). Per stream count: one unprofiled round of streamed completions (the step time
 without the profiler, `serve_measure.step_stats`), then POST /start_profile (with a profile_prefix),
 the same streams again, POST /stop_profile, and the worker's trace
-(`PREFIX_dp0_..._rank0.*.pt.trace.json.gz`) is read. A trace without one step where every stream
-decodes (a later request reached the scheduler after the first stream had finished) is profiled
-again with twice the tokens, up to PROFILE_ATTEMPTS rounds, each retry said on stderr.
+(`PREFIX_dp0_..._rank0.*.pt.trace.json.gz`) is read. A trace with fewer than half the asked steps where
+every stream decodes (a later request reached the scheduler after the first stream had finished) is
+profiled again with twice the tokens, up to PROFILE_ATTEMPTS rounds, each retry said on stderr.
 
 Steps are the worker's `execute_context_C(..)_generation_G(..)` annotations (vLLM's
 `annotate_profile`); a decode step is one with C = 0 and G = streams, its wall time the interval to
@@ -107,7 +107,11 @@ class BadTrace(ValueError):
 
 
 class NoFullStep(BadTrace):
-    """The trace holds steps, but none with every stream decoding (the requests reached the scheduler apart)."""
+    """The trace holds steps, but too few with every stream decoding (the requests reached the scheduler apart)."""
+
+    def __init__(self, message: str, found: int = 0) -> None:
+        super().__init__(message)
+        self.found = found  # decode steps with every stream decoding
 
 
 load_trace = common.load_trace
@@ -129,8 +133,10 @@ def _cpu_kernels(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def analyse(trace: dict[str, Any], streams: int) -> dict[str, Any]:
-    """Per decode step of `streams` sequences: kernel time by family, wall time, host gap."""
+def analyse(trace: dict[str, Any], streams: int, min_steps: int = 1) -> dict[str, Any]:
+    """Per decode step of `streams` sequences: kernel time by family, wall time, host gap.
+
+    Fewer than `min_steps` such steps is NoFullStep (a mean over one or two steps says little)."""
     events = [e for e in trace.get("traceEvents", []) if isinstance(e, dict) and e.get("ph") == "X"]
     anns = sorted((e for e in events if str(e.get("cat")) == "user_annotation" and ANNOTATION.match(str(e.get("name")))),
                   key=lambda e: float(e["ts"]))
@@ -171,6 +177,8 @@ def analyse(trace: dict[str, Any], streams: int) -> dict[str, Any]:
         seen = sorted({str(a["name"]) for a in anns})[:8]
         raise NoFullStep(f"no decode step of {streams} streams in the trace (annotations seen: {seen}); expected "
                        f"steps annotated execute_context_0(0)_generation_{streams}({streams})")
+    if len(chosen) < min_steps:
+        raise NoFullStep(f"{len(chosen)} decode step(s) of {streams} streams in the trace; expected at least {min_steps}", len(chosen))
     fam_us = {f: 0.0 for f in MAIN_FAMILIES}
     names: dict[str, list[float]] = {}
     walls, sums, busies, graph_steps_without_kernels, in_graph = [], [], [], 0, 0
@@ -309,6 +317,7 @@ def new_trace(trace_dir: str, prefix: str, wait_s: float) -> str:
 def measure(url: str, trace_dir: str, streams: int, steps: int, context: int, mnbt: int) -> dict[str, Any]:
     port, model = int(url.rsplit(":", 1)[1].split("/")[0]), served_model(url)
     max_tokens = sm.max_tokens_for(streams, context, steps, mnbt)
+    min_steps = max(1, (steps + 1) // 2)  # of the `steps` asked for, at least half must have every stream decoding
     plain = sm.step_stats(run_round(port, model, streams, context, max_tokens, f"plain-{streams}"))
     for attempt in range(1, PROFILE_ATTEMPTS + 1):
         prefix = f"decbd-s{streams}-{int(time.time())}-a{attempt}"
@@ -319,15 +328,17 @@ def measure(url: str, trace_dir: str, streams: int, steps: int, context: int, mn
             post(url, "/stop_profile")
         path = new_trace(trace_dir, prefix, 300)
         try:
-            res = analyse(load_trace(path), streams)
+            res = analyse(load_trace(path), streams, min_steps)
             break
         except NoFullStep as exc:
             if attempt == PROFILE_ATTEMPTS:
-                raise NoFullStep(f"{exc}; {PROFILE_ATTEMPTS} profiled rounds, the last with max_tokens {max_tokens}") from None
+                raise NoFullStep(f"{exc}; {PROFILE_ATTEMPTS} profiled rounds, the last with max_tokens {max_tokens}",
+                                 exc.found) from None
             max_tokens *= 2  # a later stream's request reached the scheduler after the first had finished
-            print(f"decode_breakdown: {streams} stream(s): profiled round {attempt} of {PROFILE_ATTEMPTS} had no step with all "
-                  f"{streams} decoding (the requests reached the scheduler apart); profiling again with max_tokens {max_tokens}",
-                  file=sys.stderr)
+            had = f"{exc.found} step(s)" if exc.found else "no step"
+            print(f"decode_breakdown: {streams} stream(s): profiled round {attempt} of {PROFILE_ATTEMPTS} had {had} with all "
+                  f"{streams} decoding, fewer than {min_steps} (the requests reached the scheduler apart); profiling again "
+                  f"with max_tokens {max_tokens}", file=sys.stderr)
     res.update({"step_ms_unprofiled": plain.get("step_ms"), "step_ms_profiled_stream": sm.step_stats(got).get("step_ms"),
                 "trace": path, "profiled_rounds": attempt, "max_tokens_profiled": max_tokens,
                 "errors": sorted({s["error"] for s in got if s.get("error")})})

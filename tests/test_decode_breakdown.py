@@ -64,6 +64,10 @@ def test_profiled_round_again_when_no_step_has_every_stream(monkeypatch, capsys)
     r = db.measure("http://127.0.0.1:1", "/t", 2, 6, 16, 2048)
     assert asked == [7, 7, 14] and r["profiled_rounds"] == 2 and r["decode_steps"] == 3
     assert "profiled round 1 of 3 had no step with all 2 decoding" in capsys.readouterr().err
+    traces[:], asked[:] = [trace([2, 2, 1, 1]), trace([2, 2, 2, 2, 2])], []  # 2 full steps of the 3 needed, then 4
+    r = db.measure("http://127.0.0.1:1", "/t", 2, 6, 16, 2048)
+    assert asked == [7, 7, 14] and r["profiled_rounds"] == 2 and r["decode_steps"] == 4
+    assert "profiled round 1 of 3 had 2 step(s) with all 2 decoding, fewer than 3" in capsys.readouterr().err
     traces[:] = [trace([1, 1])] * 3
     with pytest.raises(db.NoFullStep, match="3 profiled rounds, the last with max_tokens 28"):
         db.measure("http://127.0.0.1:1", "/t", 2, 6, 16, 2048)
@@ -77,7 +81,7 @@ def test_cpu_serve_trace_end_to_end(tmp_path) -> None:  # type: ignore[no-untype
                         "--boot-extra=--max-num-seqs 8 --mem 0.3"], env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     r = json.load(open(tmp_path / "decode-breakdown-tiny-overlay-graphson.json"))["by_streams"]
-    assert r["1"]["kernel_source"].startswith("CPU operators") and r["2"]["decode_steps"] >= 4
+    assert r["1"]["kernel_source"].startswith("CPU operators") and r["2"]["decode_steps"] >= 3
     top = {f: {k["name"] for k in ks} for f, ks in r["1"]["top_kernels"].items()}
     assert "vllm::cpu_gdn_attention_core" in top["gdn_recurrent"] and "_C::cpu_fused_moe" in top["expert_gemm"]
     assert r["1"]["host_gap_ms_per_step"] > 0 and r["1"]["floor_ms"]["expert_gemm"] > 0

@@ -17,7 +17,7 @@
 # LENGTHS (16,512,2048,4000: logprob prompt lengths), LP_TOKENS (16 greedy tokens a prompt), MNBT (8192),
 # MAX_MODEL_LEN (8192), MEM (0.05 a server), KV_BYTES (2684354560; empty: vLLM sizes the KV cache),
 # MAX_NUM_SEQS (128: 2.5 GiB of KV cache hold 240 Mamba blocks for the geometry's 30 GDN layers),
-# MAX_CAPTURE (128), STAGGER (60), WAIT (900 s for a server to serve), PORT0 (8061; stock PORT0+1),
+# MAX_CAPTURE (128), STAGGER (60), WAIT (900 s for a server to serve), PORT0 (8061; the second server PORT0+1),
 # MICRO (1; 0 skips the microbenchmark: the lever server then uses GEMV_CONFIGS, the shipped table or
 # the heuristic), MICRO_BUDGET (150: its --budget-s), GEMV_CONFIGS (a config table for the lever server instead of the one measured here),
 # LEVER_ENV (more overlay settings for the lever server, "NAME=VALUE ..."), GEMV (1: the lever server runs
@@ -25,7 +25,9 @@
 # without it), TUNE_MOE (0; 1: before the boots, `vllm-overlay tune-moe` tunes the model's fused-MoE shape
 # at TUNE_BATCHES (1,2,4,8,16,32,64,128) into OUT_DIR/moe-configs, TUNE_LIMIT seconds at most (300), and
 # the lever server reads that folder: VLLM_OVERLAY_MOE_CONFIG_DIR; stopped by TUNE_LIMIT, it reads the batch
-# sizes finished).
+# sizes finished), BASE (stock: the second server is stock vLLM, VLLM_OVERLAY=0, label stock; overlay: it is
+# the overlay with VLLM_OVERLAY_DECODE_GEMV=0 and an empty VLLM_OVERLAY_MOE_CONFIG_DIR, label base, so that
+# the two servers differ only in the lever's settings).
 # Writes OUT_DIR/gemv.json (microbenchmark), OUT_DIR/gemv-configs.json, OUT_DIR/compare.json, and the
 # servers' state folders (steps.json, logprobs.json, serve.log, overlay reports) under OUT_DIR/stack.
 set -u -o pipefail
@@ -56,6 +58,7 @@ gemv=${GEMV:-1}
 tune_moe=${TUNE_MOE:-0}
 tune_batches=${TUNE_BATCHES:-1,2,4,8,16,32,64,128}
 tune_limit=${TUNE_LIMIT:-300}
+base=${BASE:-stock}
 py=${PYTHON:-python3}
 
 fail() { echo "decode_gemv_ab: $1 '$2': expected $3" >&2; exit 2; }
@@ -67,6 +70,7 @@ done
 [[ "$micro" == 0 || "$micro" == 1 ]] || fail MICRO "$micro" "0 or 1"
 [[ "$gemv" == 0 || "$gemv" == 1 ]] || fail GEMV "$gemv" "0 or 1"
 [[ "$tune_moe" == 0 || "$tune_moe" == 1 ]] || fail TUNE_MOE "$tune_moe" "0 or 1"
+[[ "$base" == stock || "$base" == overlay ]] || fail BASE "$base" "stock or overlay"
 [[ "$tune_batches" =~ ^[1-9][0-9]*(,[1-9][0-9]*)*$ ]] || fail TUNE_BATCHES "$tune_batches" "batch sizes such as 1,16,64"
 [[ "$tune_limit" =~ ^[1-9][0-9]*$ ]] || fail TUNE_LIMIT "$tune_limit" "whole seconds > 0"
 [[ "$micro_budget" =~ ^[1-9][0-9]*$ ]] || fail MICRO_BUDGET "$micro_budget" "whole seconds > 0"
@@ -108,10 +112,15 @@ c['hidden_size'], c['moe_intermediate_size'], c['num_experts_per_tok'])" "$here/
   fi
 fi
 
+b=stock; [[ "$base" == overlay ]] && b=base  # the baseline's label
 declare -A port env
-port[gemv]=$port0; port[stock]=$((port0 + 1))
+port[gemv]=$port0; port[$b]=$((port0 + 1))
 env[gemv]="VLLM_OVERLAY_DECODE_GEMV=$gemv${configs:+ VLLM_OVERLAY_DECODE_GEMV_CONFIGS=$configs}${moe_dir:+ VLLM_OVERLAY_MOE_CONFIG_DIR=$moe_dir}${lever_env:+ $lever_env}"
-env[stock]=""
+env[$b]=""
+if [[ "$b" == base ]]; then
+  mkdir -p "$out/moe-configs-none"
+  env[base]="VLLM_OVERLAY_DECODE_GEMV=0 VLLM_OVERLAY_MOE_CONFIG_DIR=$out/moe-configs-none"
+fi
 boot() {  # $1 label
   local cfg=overlay; [[ $1 == stock ]] && cfg=stock
   say "boot $1 (config $cfg, port ${port[$1]}${env[$1]:+, $(echo ${env[$1]})})"
@@ -135,9 +144,9 @@ measure() {  # $1 label
 rc=0
 boot gemv || say "the boot of gemv did not start ($out/boot-gemv.log)"
 sleep "$stagger"
-boot stock || say "the boot of stock did not start ($out/boot-stock.log)"
+boot "$b" || say "the boot of $b did not start ($out/boot-$b.log)"
 declare -A up done_
-for l in gemv stock; do  # both serve (or are gone) before anything is timed
+for l in gemv "$b"; do  # both serve (or are gone) before anything is timed
   left=$(( wait_s - (SECONDS - t0) )); (( left < 60 )) && left=60
   if serves "$l" "$left"; then
     up[$l]=1; say "$l serves"
@@ -146,10 +155,10 @@ for l in gemv stock; do  # both serve (or are gone) before anything is timed
     "$py" "$here/stack.py" stop "$l" >> "$out/boot-$l.log" 2>&1
   fi
 done
-for l in gemv stock; do
+for l in gemv "$b"; do
   [[ -n "${up[$l]:-}" ]] && { measure "$l"; done_[$l]=1; }
 done
-for l in gemv stock; do
+for l in gemv "$b"; do
   [[ -n "${done_[$l]:-}" ]] && continue
   say "boot $l again, alone"
   if boot "$l" && serves "$l" "$wait_s"; then
@@ -159,8 +168,8 @@ for l in gemv stock; do
     "$py" "$here/stack.py" stop "$l" >> "$out/boot-$l.log" 2>&1
   fi
 done
-if [[ -n "${done_[gemv]:-}" && -n "${done_[stock]:-}" ]]; then
-  "$py" "$here/stack.py" compare "$STACK_STATE_DIR/gemv/logprobs.json" "$STACK_STATE_DIR/stock/logprobs.json" \
+if [[ -n "${done_[gemv]:-}" && -n "${done_[$b]:-}" ]]; then
+  "$py" "$here/stack.py" compare "$STACK_STATE_DIR/gemv/logprobs.json" "$STACK_STATE_DIR/$b/logprobs.json" \
     --out "$out/compare.json" 2>&1 | tee "$out/compare.log" || rc=1
 fi
 say "done, rc $rc; results in $out"

@@ -205,6 +205,7 @@ def test_microbenchmark_shapes_of_the_geometry() -> None:
     ({"TUNE_BATCHES": "1,x"}, "TUNE_BATCHES '1,x': expected batch sizes such as 1,16,64"),
     ({"TUNE_LIMIT": "0"}, "TUNE_LIMIT '0': expected whole seconds > 0"),
     ({"MICRO_BUDGET": "x"}, "MICRO_BUDGET 'x': expected whole seconds > 0"),
+    ({"BASE": "x"}, "BASE 'x': expected stock or overlay"),
 ])
 def test_ab_script_refuses_bad_settings(tmp_path, env, message) -> None:
     p = subprocess.run(["bash", os.path.join(ROOT, "bench", "decode_gemv_ab.sh"), str(tmp_path / "out")],

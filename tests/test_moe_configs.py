@@ -196,3 +196,34 @@ def test_a_failing_lookup_never_breaks_vllm(applied: str, monkeypatch: pytest.Mo
         fm.get_moe_configs(256, 512, None, None, None)
     assert any("lookup failed (RuntimeError: no device); vLLM decides alone" in r.getMessage()
                for r in caplog.records)
+
+
+def test_user_file_before_shipped_file_before_default(applied: str, tmp_path, monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """The lookup order below vLLM's own: the user's tuned folder, then the configs that ship with the
+    package (a temporary folder stands in for src/vllm_overlay/moe_configs/), then vLLM's default."""
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    monkeypatch.setattr(patch, "SHIPPED_DIR", str(shipped))
+    fake_device(monkeypatch, "NVIDIA_H200")
+    ours = write(str(shipped), "E=256,N=512,device_name=NVIDIA_H200.json", TUNED)
+    with caplog.at_level("INFO", logger="vllm_overlay"):
+        assert fm.get_moe_configs(256, 512, None, None, None) == {1: TUNED["1"], 64: TUNED["64"]}
+    assert STATE.patches["moe-configs"]["moe_configs"] == {"E=256,N=512,dtype=bf16/fp16,device=NVIDIA_H200": ours}
+    assert STATE.patches["moe-configs"]["shipped_configs"] == ["E=256,N=512,device_name=NVIDIA_H200.json"]
+    assert any("(shipped with vllm-overlay, 2 batch sizes)" in r.getMessage() for r in caplog.records)
+
+    # a user file of the same name wins over the shipped one
+    patch.reset()
+    fm.get_moe_configs.cache_clear()
+    user = write(applied, "E=256,N=512,device_name=NVIDIA_H200.json", {**TUNED, "1": {**TUNED["1"], "num_warps": 8}})
+    assert fm.get_moe_configs(256, 512, None, None, None)[1]["num_warps"] == 8
+    assert STATE.patches["moe-configs"]["moe_configs"]["E=256,N=512,dtype=bf16/fp16,device=NVIDIA_H200"] == user
+
+    # a shape the shipped configs do not cover: vLLM's default, and the line says what ships for the device
+    patch.reset()
+    caplog.clear()
+    with caplog.at_level("INFO", logger="vllm_overlay"):
+        assert fm.get_moe_configs(256, 256, None, None, None) is None
+    (line,) = [r.getMessage() for r in caplog.records if "moe-configs: E=256,N=256" in r.getMessage()]
+    assert "vllm-overlay ships 1 config(s) for NVIDIA_H200, none for this shape" in line

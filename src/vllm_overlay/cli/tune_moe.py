@@ -47,6 +47,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="where the config files go (default: the folder the moe-configs patch reads, "
                         "VLLM_OVERLAY_MOE_CONFIG_DIR or ~/.cache/vllm-overlay/moe-configs)")
     p.add_argument("--iters", default="5", metavar="N", help="timed CUDA-graph replays per config (default 5)")
+    p.add_argument("--confirm", default="5", metavar="N",
+                   help="rounds of re-timing vLLM's config and each batch size's winner alternately; the winner is "
+                        "kept only if its median is lower (default 5; 0: keep the search's fastest as timed once)")
     p.add_argument("--fresh", action="store_true", help="ignore earlier results for these shapes and start over")
     p.set_defaults(func=run)
 
@@ -99,6 +102,7 @@ def options(args: argparse.Namespace) -> Any:
         if not limit > 0 or limit != limit or limit == float("inf"):
             raise TuneUsageError(f"--time-limit {args.time_limit!r}: expected seconds > 0, e.g. 3600")
     _int("--iters", args.iters, 1, 1000)
+    confirm = _int("--confirm", args.confirm, 0, 100)
     out_dir = os.path.abspath(os.path.expanduser(args.out_dir)) if args.out_dir else user_dir()
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise TuneUsageError(f"--out-dir {out_dir!r}: exists and is not a directory; expected a directory path")
@@ -109,7 +113,7 @@ def options(args: argparse.Namespace) -> Any:
         raise TuneUsageError(f"--out-dir {out_dir!r}: {probe!r} is not writable; expected a directory you can write")
     shapes = [space.Shape(experts, n, hidden, topk, d) for d in dtypes for n in inter]
     return Options(shapes=shapes, batch_sizes=batches, out_dir=out_dir, search=args.search, time_limit=limit,
-                   fresh=bool(args.fresh))
+                   fresh=bool(args.fresh), confirm=confirm)
 
 
 def run(args: argparse.Namespace, backend_factory: Callable[[], Any] | None = None) -> int:

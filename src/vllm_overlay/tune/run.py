@@ -1,5 +1,7 @@
 """The tuning loop: per shape and batch size, time vLLM's own choice, then every candidate config,
-keep the fastest, record it and rewrite the config file; stop cleanly at the time limit.
+keep the fastest, re-time it against vLLM's choice in alternating rounds (the fastest of many single
+timings is biased low: the search alone overstates the gain), record it and rewrite the config file;
+stop cleanly at the time limit.
 
 Everything that needs a GPU comes in through ``Backend`` (``cuda.py`` builds the real one from
 vLLM's fused-MoE kernel), so the loop, the resume and the files are tested on a CPU with a fake.
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,6 +49,7 @@ class Options:
     search: str = "quick"
     time_limit: float | None = None
     fresh: bool = False
+    confirm: int = 5  # alternating re-timing rounds of vLLM's config and the winner (0: none)
 
 
 @dataclass
@@ -56,9 +60,56 @@ class Row:
     after_us: float
     tried: int
     resumed: bool
+    confirm: dict[str, Any] | None = None  # the re-timing, when there was one (see _confirm)
 
     def speedup(self) -> float:
         return self.before_us / self.after_us if self.after_us > 0 else math.nan
+
+    def retimed(self) -> str:
+        c = self.confirm
+        if not c:
+            return "-"
+        d, t = c["default_us"], c["tuned_us"]
+        return (f"{c['rounds']} rounds: vLLM's {min(d):.1f}-{max(d):.1f}, tuned {min(t):.1f}-{max(t):.1f} us; "
+                f"{c['verdict']}")
+
+
+def row(shape: str, batch: int, rec: dict[str, Any], resumed: bool) -> Row:
+    """One table row from a state record: the re-timed medians where the winner was re-timed (the
+    search's single timings otherwise)."""
+    c = rec.get("confirm")
+    if c:
+        before = float(c["default_median"])
+        after = float(c["tuned_median"]) if c["kept"] == "tuned" else before
+    else:
+        before, after = float(rec["default_us"] or math.nan), float(rec["us"])
+    return Row(shape, batch, before, after, int(rec["tried"]), resumed, c)
+
+
+def _confirm(backend: Backend, shape: Shape, batch: int, default_cfg: dict[str, int], tuned_cfg: dict[str, int],
+             rounds: int) -> dict[str, Any]:
+    """Times vLLM's config and the search's winner alternately, ``rounds`` times each, on the same
+    inputs: the winner is kept only if its median is lower. ``verdict`` says whether the two ranges
+    are apart (every tuned timing below every vLLM timing) or overlap."""
+    d: list[float] = []
+    t: list[float] = []
+    for _ in range(rounds):
+        d.append(_bench(backend, shape, batch, default_cfg))
+        t.append(_bench(backend, shape, batch, tuned_cfg))
+    if not all(math.isfinite(x) for x in d + t):
+        kept = "vllm" if all(math.isfinite(x) for x in d) else "tuned"
+        verdict = "a re-timing failed to run"
+    else:
+        kept = "tuned" if statistics.median(t) < statistics.median(d) else "vllm"
+        if kept == "vllm":
+            verdict = "not faster on re-timing: keeps vLLM's config"
+        elif max(t) < min(d):
+            verdict = "faster beyond the spread"
+        else:
+            verdict = "faster by the median, within the spread"
+    med = lambda xs: round(statistics.median(xs), 3) if all(math.isfinite(x) for x in xs) else None  # noqa: E731
+    return {"rounds": rounds, "default_us": [round(x, 3) for x in d], "tuned_us": [round(x, 3) for x in t],
+            "default_median": med(d), "tuned_median": med(t), "kept": kept, "verdict": verdict}
 
 
 def _bench(backend: Backend, shape: Shape, batch: int, cfg: dict[str, int]) -> float:
@@ -125,27 +176,41 @@ def execute(opts: Options, backend: Backend, out: Out | None = None,
                 if not math.isfinite(best):
                     tick.note(f"{shape.label()} batch {batch}: no config ran (not even vLLM's own); not recorded")
                     continue
-                state.record(batch, {"config": best_cfg, "us": round(best, 3),
-                                     "default_us": round(before, 3) if math.isfinite(before) else None,
-                                     "default_config": before_cfg, "tried": tried,
-                                     "seconds": round(clock() - t_batch, 1),
-                                     "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+                rec: dict[str, Any] = {"config": best_cfg, "us": round(best, 3),
+                                       "default_us": round(before, 3) if math.isfinite(before) else None,
+                                       "default_config": before_cfg, "tried": tried}
+                if opts.confirm and math.isfinite(before) and space.key(best_cfg) != space.key(before_cfg):
+                    # runs to its end past the time limit: 2 x confirm timings of two compiled configs
+                    rec["confirm"] = _confirm(backend, shape, batch, before_cfg, best_cfg, opts.confirm)
+                    if rec["confirm"]["kept"] == "vllm":
+                        rec["config"] = dict(before_cfg)
+                rec["seconds"] = round(clock() - t_batch, 1)
+                rec["utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+                state.record(batch, rec)
                 path = _write_config(opts, backend, shape, name, state)
                 if path not in written:
                     written.append(path)
                 gain = f"{before / best:.2f} x" if math.isfinite(before) else "vLLM's own config failed to run"
+                c = rec.get("confirm")
+                again = ""
+                if c and c["default_median"] and c["tuned_median"]:
+                    again = (f"; re-timed {c['rounds']} rounds alternately: vLLM's {c['default_median']:.1f} us, "
+                             f"tuned {c['tuned_median']:.1f} us ({c['default_median'] / c['tuned_median']:.2f} x), "
+                             f"{c['verdict']}")
+                elif c:
+                    again = f"; re-timed: {c['verdict']}"
                 tick.note(f"{shape.label()} batch {batch}: vLLM's config {before:.1f} us -> tuned {best:.1f} us "
-                          f"({gain}; {tried} configs timed)")
+                          f"({gain}; {tried} configs timed){again}")
             if stopped:
                 break
 
-    rows = [Row(shape.label(), b, float(rec["default_us"] or math.nan), float(rec["us"]), int(rec["tried"]),
-                b not in todo)
+    rows = [row(shape.label(), b, rec, b not in todo)
             for shape, _, state, todo, _ in plans for b, rec in sorted(state.batches.items())]
-    out.table("fused-MoE kernel time per call, vLLM's config (before) vs tuned (after)",
-              ("shape", "batch", "before us", "after us", "speedup", "configs timed"),
+    out.table("fused-MoE kernel time per call, vLLM's config (before) vs the config kept (after); medians of the "
+              "re-timing where there was one",
+              ("shape", "batch", "before us", "after us", "speedup", "re-timed", "configs timed"),
               [[r.shape, str(r.batch), f"{r.before_us:.1f}", f"{r.after_us:.1f}", f"{r.speedup():.2f} x",
-                f"{r.tried}" + (" (earlier run)" if r.resumed else "")] for r in rows], ids=(0,))
+                r.retimed(), f"{r.tried}" + (" (earlier run)" if r.resumed else "")] for r in rows], ids=(0,))
     for shape, name, state, _, _ in plans:
         path = os.path.join(opts.out_dir, name)
         done = sum(1 for b in opts.batch_sizes if state.done(b))

@@ -321,3 +321,55 @@ def test_help_lists_tune_moe() -> None:
     p = subprocess.run([sys.executable, "-m", "vllm_overlay", "--help"], capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(__file__), "..", "src")})
     assert "tune-moe" in p.stdout
+
+
+def _ship(*argv: str):  # type: ignore[no-untyped-def]
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "moe_ship", os.path.join(os.path.dirname(__file__), "..", "bench", "moe_ship.py"))
+    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod.main(list(argv))
+
+
+def test_only_winners_beyond_the_spread_ship(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    """bench/moe_ship.py on what tune-moe wrote: a batch size ships its tuned config only where the
+    re-timing put every tuned timing below every timing of vLLM's config; elsewhere the shipped file
+    holds vLLM's own config, and a shape with no such batch size ships nothing."""
+    name = "E=256,N=512,device_name=NVIDIA_H200.json"
+    tuned = tmp_path / "tuned"
+    tunerun.execute(Options(shapes=[shape()], batch_sizes=[1, 16, 64], out_dir=str(tuned)), FakeGPU().backend(),
+                    Out(force_plain=True))
+    capsys.readouterr()
+    # one winner whose ranges overlap vLLM's: kept by tune-moe (lower median), not shipped
+    state_path = tuned / "tune-state" / name.replace(".json", ".state.json")
+    state = json.loads(state_path.read_text())
+    state["batches"]["64"]["confirm"].update(tuned_us=[10.5, 10.6, 10.9, 11.0, 10.55], tuned_median=10.6,
+                                             verdict="faster by the median, within the spread")
+    state_path.write_text(json.dumps(state))
+    dest = tmp_path / "ship"
+    assert _ship(str(tuned), "--write", str(dest)) == 0
+    out = capsys.readouterr().out
+    shipped = json.loads((dest / name).read_text())
+    written = json.loads((tuned / name).read_text())
+    assert shipped["1"] == shipped["16"] == BEST and shipped["64"] == VLLM_DEFAULT and written["64"] == BEST
+    assert {k: v for k, v in shipped.items() if k not in ("1", "16", "64")} == \
+        {k: v for k, v in written.items() if k not in ("1", "16", "64")}
+    assert "| 16 | 10.4 (10.4-10.4) | 10.2 (10.2-10.2) | 1.025 x | faster beyond the spread | yes |" in out
+    assert "| 64 | 10.9 (10.9-10.9) | 10.6 (10.5-11.0) | 1.027 x | faster by the median, within the spread | no |" in out
+    assert f"{name}: ships the tuned config at batch sizes 1, 16; vLLM's own config at the other 17 of the file's 19" in out
+
+    # a run whose only winner was a lucky single timing ships nothing
+    lucky = tmp_path / "lucky"
+    tunerun.execute(Options(shapes=[shape()], batch_sizes=[1], out_dir=str(lucky)), LuckyGPU().backend(),
+                    Out(force_plain=True))
+    capsys.readouterr()
+    assert _ship(str(lucky), "--write", str(tmp_path / "ship2")) == 0
+    out = capsys.readouterr().out
+    assert f"{name}: nothing ships (no batch size faster beyond the spread)" in out
+    assert "| 1 | 10.3 (10.3-10.3) | 10.5 (10.5-10.5) | 0.977 x | not faster on re-timing: keeps vLLM's config | no |" in out
+    assert not (tmp_path / "ship2").exists()
+
+    assert _ship(str(tmp_path / "nothing-here")) == 2
+    assert "holds no tune-state/*.state.json; expected a tune-moe --out-dir folder" in capsys.readouterr().err

@@ -310,6 +310,37 @@ def test_a_winner_by_one_lucky_timing_is_not_kept(tmp_path, capsys: pytest.Captu
     assert json.loads((tmp_path / "c0" / "E=256,N=512,device_name=NVIDIA_H200.json").read_text())["1"] == LuckyGPU.LUCKY
 
 
+class FlakyGPU(FakeGPU):
+    """The fastest config runs once, in the search, and fails to launch when timed again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.best_seen = 0
+
+    def bench(self, shape: Shape, batch: int, cfg: dict[str, int]) -> float:
+        if cfg == BEST:
+            self.best_seen += 1
+            if self.best_seen > 1:
+                raise RuntimeError("out of resources")
+        return super().bench(shape, batch, cfg)
+
+
+def test_a_winner_that_fails_on_re_timing_is_not_kept(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    res = tunerun.execute(Options(shapes=[shape()], batch_sizes=[1], out_dir=str(tmp_path)), FlakyGPU().backend(),
+                          Out(force_plain=True))
+    assert res["exit_code"] == tunerun.DONE
+    (r,) = res["rows"]
+    assert r["confirm"]["kept"] == "vllm" and r["confirm"]["tuned_us"] == [None] * 5
+    assert r["confirm"]["default_median"] == pytest.approx(10.26) and r["confirm"]["tuned_median"] is None
+    assert r["before_us"] == r["after_us"] == pytest.approx(10.26)
+    assert json.loads((tmp_path / "E=256,N=512,device_name=NVIDIA_H200.json").read_text())["1"] == VLLM_DEFAULT
+    state = (tmp_path / "tune-state" / "E=256,N=512,device_name=NVIDIA_H200.state.json").read_text()
+    assert "Infinity" not in state and "NaN" not in state  # strict JSON
+    out = capsys.readouterr().out
+    assert "re-timed: a re-timing failed to run: keeps vLLM's config" in out
+    assert "re-timed=5 rounds; a re-timing failed to run: keeps vLLM's config" in out
+
+
 def test_a_config_that_cannot_run_is_skipped(tmp_path) -> None:  # type: ignore[no-untyped-def]
     gpu = FakeGPU()
     res = tunerun.execute(Options(shapes=[shape()], batch_sizes=[1], out_dir=str(tmp_path)), gpu.backend(),

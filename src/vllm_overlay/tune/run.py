@@ -69,6 +69,8 @@ class Row:
         c = self.confirm
         if not c:
             return "-"
+        if c["default_median"] is None or c["tuned_median"] is None:
+            return f"{c['rounds']} rounds; {c['verdict']}"
         d, t = c["default_us"], c["tuned_us"]
         return (f"{c['rounds']} rounds: vLLM's {min(d):.1f}-{max(d):.1f}, tuned {min(t):.1f}-{max(t):.1f} us; "
                 f"{c['verdict']}")
@@ -78,11 +80,14 @@ def row(shape: str, batch: int, rec: dict[str, Any], resumed: bool) -> Row:
     """One table row from a state record: the re-timed medians where the winner was re-timed (the
     search's single timings otherwise)."""
     c = rec.get("confirm")
-    if c:
-        before = float(c["default_median"])
-        after = float(c["tuned_median"]) if c["kept"] == "tuned" else before
-    else:
-        before, after = float(rec["default_us"] or math.nan), float(rec["us"])
+    search_before = float(rec["default_us"] or math.nan)
+    if c and c["kept"] == "vllm":  # the file holds vLLM's config: no change at this size
+        before = float(c["default_median"]) if c["default_median"] is not None else search_before
+        after = before
+    elif c and c["default_median"] is not None and c["tuned_median"] is not None:
+        before, after = float(c["default_median"]), float(c["tuned_median"])
+    else:  # no re-timing, or vLLM's config failed in it: the search's figures
+        before, after = search_before, float(rec["us"])
     return Row(shape, batch, before, after, int(rec["tried"]), resumed, c)
 
 
@@ -96,9 +101,9 @@ def _confirm(backend: Backend, shape: Shape, batch: int, default_cfg: dict[str, 
     for _ in range(rounds):
         d.append(_bench(backend, shape, batch, default_cfg))
         t.append(_bench(backend, shape, batch, tuned_cfg))
-    if not all(math.isfinite(x) for x in d + t):
-        kept = "vllm" if all(math.isfinite(x) for x in d) else "tuned"
-        verdict = "a re-timing failed to run"
+    if not all(math.isfinite(x) for x in d + t):  # a config that ran once and then failed is not trusted
+        kept = "tuned" if all(math.isfinite(x) for x in t) else "vllm"
+        verdict = "a re-timing failed to run: keeps " + ("the tuned config" if kept == "tuned" else "vLLM's config")
     else:
         kept = "tuned" if statistics.median(t) < statistics.median(d) else "vllm"
         if kept == "vllm":
@@ -108,7 +113,8 @@ def _confirm(backend: Backend, shape: Shape, batch: int, default_cfg: dict[str, 
         else:
             verdict = "faster by the median, within the spread"
     med = lambda xs: round(statistics.median(xs), 3) if all(math.isfinite(x) for x in xs) else None  # noqa: E731
-    return {"rounds": rounds, "default_us": [round(x, 3) for x in d], "tuned_us": [round(x, 3) for x in t],
+    us = lambda xs: [round(x, 3) if math.isfinite(x) else None for x in xs]  # noqa: E731 - None: failed to run
+    return {"rounds": rounds, "default_us": us(d), "tuned_us": us(t),
             "default_median": med(d), "tuned_median": med(t), "kept": kept, "verdict": verdict}
 
 

@@ -94,6 +94,17 @@ def test_piped_output_never_breaks_an_identifier() -> None:
     assert not any("\x1b[" in out for out in (doctor, plan)), "colour codes in piped output"
 
 
+def test_help_never_splits_an_option_or_a_hyphenated_word() -> None:
+    """argparse wraps --help at hyphens by default (`--time-` / `limit`); ours wraps at spaces only."""
+    for command in ("", "plan", "matrix", "verify", "doctor", "report", "stress", "demo", "tune-moe"):
+        for columns in ("60", "80"):
+            p = cli(*command.split(), "--help", COLUMNS=columns)
+            assert p.returncode == 0, p.stderr
+            split = [f"{a!r} / {b!r}" for a, b in zip(p.stdout.splitlines(), p.stdout.splitlines()[1:])
+                     if re.search(r"[A-Za-z0-9]-$", a) and re.match(r"\s*[A-Za-z0-9]", b)]
+            assert not split, f"vllm-overlay {command} --help at {columns} columns splits: {split}"
+
+
 def test_report_pretty_prints(tmp_path) -> None:  # type: ignore[no-untyped-def]
     rep = {"pid": 1, "role": "worker rank 0", "vllm_version": "0.32.0", "load_apply_s": 0.01,
            "counts": {"applied": 3, "armed": 0, "skipped": 0, "off": 2, "upstream-merged": 0, "failed": 0},

@@ -5,8 +5,23 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import textwrap
 
 from vllm_overlay.errors import OverlayError
+
+
+class _Formatter(argparse.HelpFormatter):
+    """argparse's formatter, wrapping at spaces only: an option name such as --time-limit or a value
+    such as qwen36-35b-a3b is never split across two lines of --help."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        text = self._whitespace_matcher.sub(" ", text).strip()  # type: ignore[attr-defined]
+        return textwrap.wrap(text, width, break_on_hyphens=False, break_long_words=False)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        text = self._whitespace_matcher.sub(" ", text).strip()  # type: ignore[attr-defined]
+        return textwrap.fill(text, width, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False,
+                             break_long_words=False)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -15,10 +30,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vllm-overlay",
         description="Declared, reversible in-memory patches for vLLM hybrid (GDN) models.",
+        formatter_class=_Formatter,
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for mod in (plan, matrix, verify, doctor, report, stress, demo, tune_moe):
         mod.add_parser(sub)
+    for p in sub.choices.values():
+        if p.formatter_class is argparse.HelpFormatter:  # a command's own formatter (raw text, say) stays
+            p.formatter_class = _Formatter
     return parser
 
 

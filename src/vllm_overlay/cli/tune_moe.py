@@ -27,7 +27,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p = sub.add_parser(
         "tune-moe", help="tune fused-MoE kernel configs for the hybrid MoE shapes on this GPU",
         description="Times vLLM's fused-MoE kernel with each candidate Triton config at each batch size, keeps "
-                    "the fastest, and writes vLLM's config file where the moe-configs patch reads it. Exit codes: "
+                    "the fastest if re-timing against vLLM's own config confirms it (--confirm), and writes vLLM's "
+                    "config file where the moe-configs patch reads it. Exit codes: "
                     "0 all tuned, 2 bad usage or no CUDA GPU, 3 stopped by --time-limit (rerun to resume).")
     p.add_argument("--experts", default=str(space.DEFAULT_EXPERTS), metavar="E", help="number of experts (default 256)")
     p.add_argument("--intermediate", default=",".join(map(str, space.DEFAULT_INTERMEDIATE)), metavar="N[,N...]",

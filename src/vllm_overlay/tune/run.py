@@ -101,8 +101,9 @@ def _confirm(backend: Backend, shape: Shape, batch: int, default_cfg: dict[str, 
     for _ in range(rounds):
         d.append(_bench(backend, shape, batch, default_cfg))
         t.append(_bench(backend, shape, batch, tuned_cfg))
-    if not all(math.isfinite(x) for x in d + t):  # a config that ran once and then failed is not trusted
-        kept = "tuned" if all(math.isfinite(x) for x in t) else "vllm"
+    d_ran, t_ran = all(map(math.isfinite, d)), all(map(math.isfinite, t))
+    if not (d_ran and t_ran):  # a config that ran once and then failed is not trusted
+        kept = "tuned" if t_ran else "vllm"
         verdict = "a re-timing failed to run: keeps " + ("the tuned config" if kept == "tuned" else "vLLM's config")
     else:
         kept = "tuned" if statistics.median(t) < statistics.median(d) else "vllm"
@@ -112,10 +113,10 @@ def _confirm(backend: Backend, shape: Shape, batch: int, default_cfg: dict[str, 
             verdict = "faster beyond the spread"
         else:
             verdict = "faster by the median, within the spread"
-    med = lambda xs: round(statistics.median(xs), 3) if all(math.isfinite(x) for x in xs) else None  # noqa: E731
     us = lambda xs: [round(x, 3) if math.isfinite(x) else None for x in xs]  # noqa: E731 - None: failed to run
     return {"rounds": rounds, "default_us": us(d), "tuned_us": us(t),
-            "default_median": med(d), "tuned_median": med(t), "kept": kept, "verdict": verdict}
+            "default_median": round(statistics.median(d), 3) if d_ran else None,
+            "tuned_median": round(statistics.median(t), 3) if t_ran else None, "kept": kept, "verdict": verdict}
 
 
 def _bench(backend: Backend, shape: Shape, batch: int, cfg: dict[str, int]) -> float:
@@ -199,7 +200,7 @@ def execute(opts: Options, backend: Backend, out: Out | None = None,
                 gain = f"{before / best:.2f} x" if math.isfinite(before) else "vLLM's own config failed to run"
                 c = rec.get("confirm")
                 again = ""
-                if c and c["default_median"] and c["tuned_median"]:
+                if c and c["default_median"] is not None and c["tuned_median"] is not None:
                     again = (f"; re-timed {c['rounds']} rounds alternately: vLLM's {c['default_median']:.1f} us, "
                              f"tuned {c['tuned_median']:.1f} us ({c['default_median'] / c['tuned_median']:.2f} x), "
                              f"{c['verdict']}")

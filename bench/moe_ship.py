@@ -35,9 +35,15 @@ def decide(state: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for b, rec in sorted(state["batches"].items(), key=lambda kv: int(kv[0])):
         c = rec.get("confirm") or {}
-        ships = bool(c) and c.get("kept") == "tuned" and c.get("verdict") == BEYOND
-        why = c.get("verdict") or ("vLLM's config was the fastest" if rec["config"] == rec["default_config"]
-                                   else "not re-timed (--confirm 0): no evidence")
+        ships = c.get("verdict") == BEYOND  # tune-moe says so only of a winner it kept
+        if c:
+            why = c["verdict"]
+        elif rec["config"] == rec["default_config"]:
+            why = "vLLM's config was the fastest"
+        elif rec.get("default_us") is None:
+            why = "vLLM's config failed to run in the search: no comparison"
+        else:
+            why = "not re-timed (--confirm 0): no evidence"
         rows.append({"batch": int(b), "ships": ships, "why": why, "confirm": c or None,
                      "config": rec["config"], "default_config": rec["default_config"],
                      "search_us": rec.get("us"), "search_default_us": rec.get("default_us")})

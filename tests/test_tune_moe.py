@@ -402,5 +402,16 @@ def test_only_winners_beyond_the_spread_ship(tmp_path, capsys: pytest.CaptureFix
     assert "| 1 | 10.3 (10.3-10.3) | 10.5 (10.5-10.5) | 0.977 x | not faster on re-timing: keeps vLLM's config | no |" in out
     assert not (tmp_path / "ship2").exists()
 
+    # vLLM's own config cannot launch: nothing to compare the winner with, so nothing ships
+    failing = tmp_path / "failing"
+    backend = FakeGPU().backend()
+    backend.vllm_choice = lambda shape, b: {**VLLM_DEFAULT, "BLOCK_SIZE_N": 32, "num_warps": 8}
+    tunerun.execute(Options(shapes=[shape()], batch_sizes=[1], out_dir=str(failing)), backend, Out(force_plain=True))
+    capsys.readouterr()
+    assert _ship(str(failing)) == 0
+    out = capsys.readouterr().out
+    assert "| 1 | - | 10.01 | - | vLLM's config failed to run in the search: no comparison | no |" in out
+    assert f"{name}: nothing ships" in out
+
     assert _ship(str(tmp_path / "nothing-here")) == 2
     assert "holds no tune-state/*.state.json; expected a tune-moe --out-dir folder" in capsys.readouterr().err

@@ -1549,8 +1549,9 @@ SERIES["release"] = {
               ("awq-tq-mtp", "--model qwen36-35b-a3b-slice8-awq --mtp 3", ("stress",)),
               ("bf16-overlay", "--kv auto --mtp 0", ("steps",)),
               ("bf16-stock", "--config stock --kv auto --mtp 0", ("steps",)),
-              # a fixed KV cache: side by side it boots beside busy servers, and it stops before its KV cache matters
-              ("forced-guard", "--config forced-guard --kv auto --mtp 0 --kv-bytes 2684354560", ("guard",))],
+              # a fixed KV cache: side by side it boots beside busy servers, and it stops before its KV cache matters;
+              # MTP 3: from vLLM 0.34.0 only the GDN layers on the fused spec-decode path (MTP) get the buffer
+              ("forced-guard", "--config forced-guard --kv auto --mtp 3 --kv-bytes 2684354560", ("guard",))],
 }
 PHASES = ("steps", "stress", "logprobs", "guard", "memory")
 REFUSED: dict[str, str] = {}  # labels whose boot never started, this process

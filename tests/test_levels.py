@@ -166,7 +166,9 @@ def test_plan_and_doctor_line(tmp_path) -> None:  # type: ignore[no-untyped-def]
                          "no engine with the overlay ran it there)")
     line = levels_line.line(versions.Installed("vllm", "0.31.0", "cuda"), {})
     assert line is not None and "runner V1 or V2, the weaker counts: vLLM chooses the runner at start-up" in line
-    assert levels_line.line(versions.Installed("vllm", "0.34.0", "cuda"), {}) is None
+    line = levels_line.line(versions.Installed("vllm", "0.34.0", "cuda"), {})
+    assert line is not None and "(cuda, runner V2: vLLM 0.34.0 has only Model Runner V2 (V1 removed after 0.33.0))" in line
+    assert levels_line.line(versions.Installed("vllm", "0.35.0", "cuda"), {}) is None  # not in the matrix
     # the runner a worker report of this release names wins
     (tmp_path / "overlay-7.json").write_text(json.dumps({"pid": 7, "written": 1.0, "vllm_version": "0.32.0",
                                                          "runner": {"kind": "V2", "class": "x"}}))

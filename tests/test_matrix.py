@@ -74,22 +74,42 @@ def test_sweep_catches_a_drifted_hash_and_a_missing_target() -> None:
 
 
 def test_propose_for_a_new_release() -> None:
-    read = sources.wheel_reader(wheels.fetch_vllm_wheel("0.33.0"))
-    lines = matrix.propose("0.34.0", read)
+    read = sources.wheel_reader(wheels.fetch_vllm_wheel("0.34.0"))
+    lines = matrix.propose("0.35.0", read)
     text = "\n".join(lines)
-    assert "versions.RELEASES: add '0.34.0'" in text
+    assert "versions.RELEASES: add '0.35.0'" in text
     assert ("gdn-output-prealloc: rewrite QwenGatedDeltaNetAttention.forward_cuda in "
-            "vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py: add '0.34.0': "
-            "'4677edfe53828b96e1d00976ef4f3e9368d1b0ece2aeaa994b393369025c49fc', (unchanged)") in text
+            "vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py: add '0.35.0': "
+            "'f862cdd031514498a931ada9f6931b5a1fe517e3f4fe22823bf466fc85002cf2', (unchanged)") in text
     for spec in matrix.specs():
         assert any(ln.startswith(f"{spec.id}: ") and "extend Support(" in ln for ln in lines), spec.id
     # sources where the latest edits do not fit: the proposal says so instead of guessing
-    moved = "\n".join(matrix.propose("0.34.0", sources.wheel_reader(wheels.fetch_vllm_wheel("0.20.2"))))
-    assert "rewrite QwenGatedDeltaNetAttention.forward_cuda: MISSING" in moved and "do not add 0.34.0" in moved
-    assert "hybrid-turboquant: upstream-merged on 0.33.0; its proofs DO NOT hold on 0.34.0" in moved
-    older = "\n".join(matrix.propose("0.34.0", sources.wheel_reader(wheels.fetch_vllm_wheel("0.26.0"))))
+    moved = "\n".join(matrix.propose("0.35.0", sources.wheel_reader(wheels.fetch_vllm_wheel("0.20.2"))))
+    assert "rewrite QwenGatedDeltaNetAttention.forward_cuda: MISSING" in moved and "do not add 0.35.0" in moved
+    assert "hybrid-turboquant: upstream-merged on 0.34.0; its proofs DO NOT hold on 0.35.0" in moved
+    older = "\n".join(matrix.propose("0.35.0", sources.wheel_reader(wheels.fetch_vllm_wheel("0.33.0"))))
     assert "forward_cuda in vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py: sha256 " in older
-    assert "DRIFT with the edits of 0.33.0: " in older and "anchor #1 occurs 0 times" in older
+    assert "DRIFT with the edits of 0.34.0: " in older and "still contains 'core_attn_out = torch.zeros('" in older
+
+
+def test_decode_gemv_proof_reads_the_cuda_dispatch() -> None:
+    """decode-gemv installs wherever UnquantizedLinearMethod has _gemm_impl; it acts only where CUDA's
+    dispatch returns the function it replaces. 0.34.0's dispatch returns cuda_unquantized_gemm: the 0.33.0
+    row's proofs must fail there (they did not check the dispatch before), and a proposal made from
+    sources whose dispatch is not the one the newest row expects names the patch as a problem."""
+    new = sources.wheel_reader(wheels.fetch_vllm_wheel("0.34.0"))
+    old = sources.wheel_reader(wheels.fetch_vllm_wheel("0.33.0"))
+    spec = core_spec("decode-gemv")
+    row = spec.support_for("0.33.0")
+    failing = [p for p in row.proof if (p.text in new(p.path)) != p.present]
+    assert [p.path for p in failing] == ["model_executor/layers/utils.py"], failing
+    assert "return default_unquantized_gemm" in failing[0].text
+    assert all((p.text in old(p.path)) == p.present for p in row.proof)
+    # 0.34.0's sources with 0.33.0's dispatch: every target is there, but the patch would install and not act
+    mixed = lambda path: old(path) if path == "model_executor/layers/utils.py" else new(path)  # noqa: E731
+    lines = [ln for ln in matrix.propose("0.35.0", mixed) if ln.startswith("decode-gemv: ")]
+    assert any("return cuda_unquantized_gemm" in ln and "DOES NOT hold" in ln for ln in lines), lines
+    assert "problem(s): do not add 0.35.0" in lines[-1]
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -118,18 +138,18 @@ def test_verify_one_release_from_the_cache() -> None:
 
 def test_verify_a_release_not_in_the_matrix_fails(tmp_path) -> None:  # type: ignore[no-untyped-def]
     src = wheels.fetch_vllm_wheel("0.33.0")
-    fake = tmp_path / "vllm-0.34.0-cp38-abi3-manylinux_2_28_x86_64.whl"
+    fake = tmp_path / "vllm-0.35.0-cp38-abi3-manylinux_2_28_x86_64.whl"
     os.symlink(src, fake)
     p = _cli("verify", "--wheel", str(fake))
-    assert p.returncode == 1 and "vLLM 0.34.0" in p.stdout and "not in the support matrix" in p.stdout
+    assert p.returncode == 1 and "vLLM 0.35.0" in p.stdout and "not in the support matrix" in p.stdout
 
 
 def test_plan_names_a_release_not_in_the_matrix(monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.setattr(versions, "installed_vllm", lambda: versions.Installed("vllm", "0.34.0", "cuda"))
+    monkeypatch.setattr(versions, "installed_vllm", lambda: versions.Installed("vllm", "0.35.0", "cuda"))
     monkeypatch.setenv("COLUMNS", "300")
     assert plan.run(type("A", (), {"ledger": False})()) == 0
     out = capsys.readouterr().out
-    assert "every patch skipped: vLLM 0.34.0 is not in the support matrix" in " ".join(out.split())
+    assert "every patch skipped: vLLM 0.35.0 is not in the support matrix" in " ".join(out.split())
 
 
 def test_readme_tables_are_generated() -> None:

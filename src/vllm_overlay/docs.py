@@ -68,7 +68,7 @@ def levels_table() -> str:
     for platform in levels.PLATFORMS:
         for runner in levels.RUNNERS:
             groups: list[tuple[list[str], list[str]]] = []
-            for v in versions.RELEASES:
+            for v in (v for v in versions.RELEASES if levels.runner_exists(v, runner)):
                 row = [_short(s, v, runner, platform) for s in specs]
                 if groups and groups[-1][1] == row:
                     groups[-1][0].append(v)
@@ -155,7 +155,7 @@ def _levels_rows(spec: PatchSpec) -> list[str]:
     for platform in levels.PLATFORMS:
         for runner in levels.RUNNERS:
             by: dict[str, list[str]] = {}
-            for v in versions.RELEASES:
+            for v in (v for v in versions.RELEASES if levels.runner_exists(v, runner)):
                 by.setdefault(levels.cell(spec, v, runner, platform).level, []).append(v)
             rows.append(f"| {_where(platform, runner)} | "
                         + " | ".join(versions.compact(by[lv]) if lv in by else "-" for lv in reversed(levels.LEVELS))

@@ -32,6 +32,7 @@ from vllm_overlay.spec import PatchSpec
 LEVELS = ("unsupported", "source-checked", "cpu-proven", "gpu-proven")  # weakest first
 RUNNERS = ("V1", "V2")
 PLATFORMS = ("cuda", "cpu")
+V1_LAST = "0.33.0"  # vLLM 0.34.0 removed the V1 model runner (VLLM_USE_V2_MODEL_RUNNER other than 1 is refused)
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "levels.json")
 MEANS = {
     "gpu-proven": "a GPU run with the overlay served traffic with the patch applied (result files named)",
@@ -75,8 +76,16 @@ def evidence_text(item: Mapping[str, Any]) -> str:
     return f"{item['file']} ({item['date']})" + (f" run {item['run']}" if item.get("run") else "")
 
 
+def runner_exists(version: str, runner: str) -> bool:
+    """Whether vLLM ``version`` has ``runner`` at all (V1 ends at 0.33.0)."""
+    return not (runner == "V1" and Version(version) > Version(V1_LAST))
+
+
 def cell(spec: PatchSpec, version: str, runner: str, platform: str, path: str = DATA) -> CellLevel:
     """The level of ``spec`` on one cell."""
+    if not runner_exists(version, runner):
+        return CellLevel(spec.id, version, runner, platform, "unsupported", (),
+                         f"vLLM {version} has no {runner} model runner (removed after {V1_LAST})")
     if not spec.applies_on(version):
         row = spec.support_for(version)
         status = row.status if row else "not in the support matrix"
@@ -100,6 +109,11 @@ def expected_runner(version: str, platform: str, environ: Mapping[str, str] | No
     (its V2 needs Triton); otherwise None: vLLM chooses at start-up."""
     env = os.environ if environ is None else environ
     asked = (env.get("VLLM_USE_V2_MODEL_RUNNER") or "").strip().lower()
+    if not runner_exists(version, "V1"):
+        if asked and asked not in ("1", "true"):
+            return "V2", (f"vLLM {version} has only Model Runner V2 and refuses VLLM_USE_V2_MODEL_RUNNER={asked} "
+                          "(unset it)")
+        return "V2", f"vLLM {version} has only Model Runner V2 (V1 removed after {V1_LAST})"
     if asked in ("1", "true"):
         return "V2", "VLLM_USE_V2_MODEL_RUNNER=1"
     if asked in ("0", "false"):

@@ -7,7 +7,7 @@ import os
 
 from packaging.version import Version
 
-from vllm_overlay import reports, settings, versions
+from vllm_overlay import levels, reports, settings, versions
 from vllm_overlay.budget import BUDGET_SETTINGS
 from vllm_overlay.cli import levels_line
 from vllm_overlay.errors import OverlayError, SettingError
@@ -109,6 +109,14 @@ def runner_lines(version: str | None, environ: dict[str, str] | None = None) -> 
                 out.append((f"model runner: patch {pid} did not fire on it: {'; '.join(missing)}", "warning"))
         return out
     asked = env.get("VLLM_USE_V2_MODEL_RUNNER")
+    if version is not None and not levels.runner_exists(version, "V1"):
+        if asked is not None and asked.strip().lower() not in ("1", "true"):
+            out.append((f"model runner: Model Runner V2; vLLM {version} has no V1 runner and refuses "
+                        f"VLLM_USE_V2_MODEL_RUNNER={asked} at start-up: unset it", "error"))
+        else:
+            out.append((f"model runner: Model Runner V2 (vLLM {version} has only V2); no worker report in "
+                        f"{directory} names the one built yet", None))
+        return out
     if asked is not None and asked.strip().lower() in ("1", "true"):
         want = "Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1)"
     elif asked is not None and asked.strip().lower() in ("0", "false"):

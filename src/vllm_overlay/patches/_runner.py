@@ -40,12 +40,17 @@ from vllm_overlay.report import LOG, STATE
 RUNNER_CLASS = "GPUModelRunner"
 V1_MODULE = "vllm.v1.worker.gpu_model_runner"
 V2_MODULE = "vllm.v1.worker.gpu.model_runner"
+V1_RELEASES = "<=0.33.0"  # the releases that have the V1 runner (0.34.0 removed it): its targets' range
 RUNNER_MODULE, RUNNER = V1_MODULE, RUNNER_CLASS  # the V1 runner (the names earlier code uses)
 KIND_OF_MODULE = {V1_MODULE: "V1", V2_MODULE: "V2"}
 RUNNER_MODULES = (V1_MODULE, V2_MODULE)  # a PatchSpec's either_modules group: vLLM imports the one it builds
 WORKER_MODULE = "vllm.v1.worker.gpu_worker"  # Worker; the CPU build's CPUWorker inherits its execute_model
 WORKER = "Worker"
 WARMUP_PREFIX = "_warmup_"  # Model Runner V2's start-up warm-up requests (vllm/v1/worker/gpu/warmup.py)
+# every request id prefix of V2's warm-up steps: the kernel warm-up's _warmup_{i}_, the mixed prefill +
+# decode warm-up's _v2_mixed_warmup_* (from 0.34.0 also the extensible KV cache's sizing steps, one of
+# max_num_batched_tokens tokens) and the context-prefill warm-up's _context_warmup_{i}_
+WARMUP_PREFIXES = (WARMUP_PREFIX, "_v2_mixed_warmup", "_context_warmup_")
 
 
 def forward_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
@@ -72,9 +77,10 @@ def scheduler_output(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 
 def is_warmup(sched: Any) -> bool:
-    """Model Runner V2's start-up warm-up step (every request is one of its ``_warmup_{i}_``)."""
+    """Model Runner V2's start-up warm-up step (every request is one of its warm-up requests,
+    ``WARMUP_PREFIXES``): counted as a dummy forward, never as traffic."""
     ids = getattr(sched, "num_scheduled_tokens", None) or {}
-    return bool(ids) and all(str(r).startswith(WARMUP_PREFIX) for r in ids)
+    return bool(ids) and all(str(r).startswith(WARMUP_PREFIXES) for r in ids)
 
 
 def kind(runner: Any) -> str | None:

@@ -6,10 +6,12 @@ import hashlib
 from typing import Any
 
 from vllm_overlay import settings
-from vllm_overlay.spec import PatchSpec, Support, Target
+from vllm_overlay.spec import PatchSpec, Proof, Support, Target
 
 MODULE = "vllm.config.vllm"
-QUALNAME = "VllmConfig.compute_hash"
+QUALNAME = "VllmConfig.compute_hash"  # vLLM 0.20.0-0.33.0: the config's part of the key, a hex string
+FACTORS = "VllmConfig.compile_factors"  # vLLM 0.34.0 and later: the config's part of the key, a dict
+FACTOR_KEY = "vllm_overlay"  # the entry the overlay adds to compile_factors() (only while it changes traced code)
 
 
 def traced_settings() -> tuple[str, ...]:
@@ -39,16 +41,27 @@ def _spec() -> PatchSpec:
             "with a patched forward is loaded by a later run without the patch (seen on the H200: "
             "\"'GatedDeltaNetAttention' object has no attribute '_legacy_buf'\"), and the reverse. "
             "This patch folds the ids of the live patches that change traced code, and the settings "
-            "that change what that code does, into VllmConfig.compute_hash(). With no such patch "
+            "that change what that code does, into VllmConfig.compute_hash() (vLLM 0.20.0-0.33.0) or, "
+            "from 0.34.0, into VllmConfig.compile_factors() as one more entry. With no such patch "
             "live the key is exactly stock vLLM's, so an overlay-off run shares stock's cache."
         ),
         upstream="https://github.com/vllm-project/vllm/blob/v0.20.2/vllm/compilation/backends.py",
-        targets=(Target(MODULE, QUALNAME, wrapper="_compute_hash"),),
+        targets=(Target(MODULE, QUALNAME, "<=0.33.0", wrapper="_compute_hash"),
+                 Target(MODULE, FACTORS, ">=0.34.0", wrapper="_compile_factors")),
         mechanism="wrap",
         support=(
             Support(">=0.20.0,<=0.33.0", "applies",
                     "VllmConfig.compute_hash, which the patch folds the traced-code patches into, exists "
                     "in every release"),
+            Support(">=0.34.0", "applies",
+                    "compute_hash gave way to VllmConfig.compile_factors(), a dict the compile cache hashes "
+                    "(compilation/caching.py, compute_env_and_config_hashes); the patch adds its digest as "
+                    f"the entry {FACTOR_KEY!r} while a live patch changes traced code, and nothing otherwise",
+                    (Proof("compilation/caching.py", "config_factors = vllm_config.compile_factors()"),
+                     Proof("compilation/caching.py", "config_hash = hash_factors(config_factors)"),
+                     Proof("config/vllm.py", "def compile_factors(self, include_version: bool = True) -> "
+                                             "CompileFactors:"),
+                     Proof("config/vllm.py", "def compute_hash(", present=False))),
         ),
         default=True,
         retire_when="vLLM offers a hook for plugins to contribute to the compile-cache key.",
@@ -85,3 +98,10 @@ def _compute_hash(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: di
         return h
     return hashlib.sha256(f"{h}|vllm-overlay:{factor}".encode()).hexdigest()[: len(h)]
 
+
+def _compile_factors(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    factors = wrapped(*args, **kwargs)
+    factor = overlay_factor()
+    if not factor or not isinstance(factors, dict):
+        return factors
+    return {**factors, FACTOR_KEY: factor}

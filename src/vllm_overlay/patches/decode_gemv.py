@@ -8,6 +8,7 @@ tensor-core GEMM tiles, some with a split-K reduction kernel after them. vLLM ca
 ROCm has a skinny-GEMM path for this, CUDA none).
 
 This patch gives each ``UnquantizedLinearMethod`` that vLLM built with ``default_unquantized_gemm``
+(from vLLM 0.34.0 ``cuda_unquantized_gemm``, which is F.linear outside its few skinny-GEMM plans)
 the overlay's GEMM instead: one custom op, ``vllm_overlay::decode_gemv``, that runs the Triton
 GEMV of ``kernels/decode_gemv.py`` when the input is exactly one row and the weight is a plain
 bf16/fp16 matrix, and ``torch.nn.functional.linear`` otherwise (prefills, batches of two or more,
@@ -48,6 +49,13 @@ SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 OP = "vllm_overlay::decode_gemv"
 CUBLAS = "cublas"  # a table entry: this shape keeps torch.nn.functional.linear on this device
 
+# the CUDA branch of dispatch_unquantized_gemm without a FlashInfer linear backend: what a patched
+# UnquantizedLinearMethod starts from (the proof that the patch acts, not only installs)
+CUDA_DISPATCH = ("    backend_spec = _FLASHINFER_BF16_BACKENDS.get(linear_backend)\n"
+                 "    if backend_spec is None:\n        return {impl}\n")
+# what vLLM's CUDA dispatch may return for an unquantized layer that the patch takes over
+ADOPTABLE = ("default_unquantized_gemm", "cuda_unquantized_gemm")
+
 LEGACY = ("UnquantizedLinearMethod.apply calls dispatch_unquantized_gemm() on every call; after a layer's weights "
           "load, where that returns default_unquantized_gemm, the method's apply is replaced on the instance by one "
           "calling the overlay's op")
@@ -73,10 +81,28 @@ SPEC = PatchSpec(
                 "default_unquantized_gemm (torch.nn.functional.linear), which the patch replaces per instance",
                 (Proof(LIN_PATH, "self._gemm_impl = dispatch_unquantized_gemm(linear_backend)"),
                  Proof(LIN_PATH, "return self._gemm_impl(layer, x, layer.weight, bias)"),
+                 Proof(UTILS_PATH, CUDA_DISPATCH.format(impl="default_unquantized_gemm")),
                  Proof(UTILS_PATH, "def default_unquantized_gemm(\n    layer: torch.nn.Module,\n"
                                    "    x: torch.Tensor,\n    weight: torch.Tensor,\n"
                                    "    bias: torch.Tensor | None = None,\n):\n"
                                    "    return torch.nn.functional.linear(x, weight, bias)"))),
+        Support(">=0.34.0", "applies",
+                "on CUDA dispatch_unquantized_gemm now returns cuda_unquantized_gemm: "
+                "torch.nn.functional.linear, except for a layer that process_weights_after_loading marked "
+                "use_skinny_gemm (vLLM's CuTe skinny GEMM, planned for a few shapes on SM 12.1 only). The patch "
+                "replaces cuda_unquantized_gemm per instance and, after loading, asks vLLM's own "
+                "maybe_use_skinny_gemm: a layer vLLM would run on its skinny GEMM keeps vLLM's GEMM (counter "
+                "decode_gemv_weights_kept_skinny). Where the GEMV takes in_proj_ba, the ba/qkvz stream overlap "
+                "the eager Qwen3.5 CUDA model may opt into (it requires vLLM's own GEMM there) stays off",
+                (Proof(LIN_PATH, "self._gemm_impl = dispatch_unquantized_gemm(linear_backend)"),
+                 Proof(LIN_PATH, "return self._gemm_impl(layer, x, layer.weight, bias)"),
+                 Proof(LIN_PATH, "elif self._gemm_impl is cuda_unquantized_gemm:\n"
+                                 "            maybe_use_skinny_gemm(layer)"),
+                 Proof(UTILS_PATH, CUDA_DISPATCH.format(impl="cuda_unquantized_gemm")),
+                 Proof(UTILS_PATH, "        and getattr(layer, \"use_skinny_gemm\", False)\n"),
+                 Proof(UTILS_PATH, "        return torch.ops.vllm.cuda_skinny_unquantized_gemm(x, weight)\n"
+                                   "    return torch.nn.functional.linear(x, weight, bias)"),
+                 Proof(UTILS_PATH, "        layer.use_skinny_gemm = True"))),
     ),
     default=True,
     disabled_by="VLLM_OVERLAY_DECODE_GEMV",
@@ -275,10 +301,10 @@ def _adopt(impl: Any) -> bool:
     per reason where not)."""
     from vllm.model_executor.layers import utils
 
-    if impl is not utils.default_unquantized_gemm:
+    if not any(impl is getattr(utils, name, None) for name in ADOPTABLE):
         name = getattr(impl, "__name__", None) or getattr(getattr(impl, "func", None), "__name__", repr(impl))
         _stand_aside(f"vLLM chose {name} for unquantized linear layers (the patch replaces only "
-                     "default_unquantized_gemm)")
+                     f"{' or '.join(ADOPTABLE)})")
         return False
     import vllm.envs as envs
 
@@ -329,11 +355,33 @@ def _legacy_apply(self: Any, layer: Any, x: Any, bias: Any = None) -> Any:
     return torch.ops.vllm_overlay.decode_gemv(x, layer.weight, bias)
 
 
+VLLM_GEMM = "_vllm_overlay_vllm_gemm"  # on an adopted method: the GEMM vLLM chose (given back for skinny plans)
+
+
 def _init(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     result = wrapped(*args, **kwargs)
     if hasattr(instance, "_gemm_impl") and _adopt(instance._gemm_impl):  # vLLM >= 0.29
+        setattr(instance, VLLM_GEMM, instance._gemm_impl)
         instance._gemm_impl = overlay_gemm
     return result
+
+
+def _keeps_skinny(instance: Any, layer: Any) -> bool:
+    """vLLM >= 0.34: where vLLM chose cuda_unquantized_gemm and its own after-loading step would mark this
+    layer for its skinny GEMM (a plan for the weight's shape), give the layer back to vLLM's GEMM."""
+    from vllm.model_executor.layers import utils
+
+    vllm_gemm = getattr(instance, VLLM_GEMM, None)
+    cuda_gemm = getattr(utils, "cuda_unquantized_gemm", None)
+    mark = getattr(utils, "maybe_use_skinny_gemm", None)
+    if cuda_gemm is None or vllm_gemm is not cuda_gemm or mark is None:
+        return False
+    mark(layer)
+    if not getattr(layer, "use_skinny_gemm", False):
+        return False
+    instance._gemm_impl = vllm_gemm
+    STATE.count("decode_gemv_weights_kept_skinny")
+    return True
 
 
 def adopted(instance: Any) -> bool:
@@ -360,6 +408,8 @@ def _after_loading(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: d
     import torch
 
     layer = argument(SPEC.targets[1].params, "layer", args, kwargs)
+    if _keeps_skinny(instance, layer):
+        return result
     w = getattr(layer, "weight", None)
     if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.stride(1) != 1 or w.dtype not in (torch.bfloat16,
                                                                                              torch.float16):

@@ -11,6 +11,7 @@ from vllm_overlay.patches._runner import (
     RUNNER_CLASS,
     RUNNER_MODULES,
     V1_MODULE,
+    V1_RELEASES,
     V2_MODULE,
     WORKER,
     WORKER_MODULE,
@@ -36,9 +37,11 @@ SPEC = PatchSpec(
     ),
     upstream="https://github.com/vllm-project/vllm/blob/v0.20.2/vllm/v1/worker/gpu_model_runner.py",
     targets=(
-        Target(V1_MODULE, f"{RUNNER_CLASS}.__init__", wrapper="_init"),
-        Target(V1_MODULE, f"{RUNNER_CLASS}.execute_model", wrapper="_execute_model", params=("scheduler_output",)),
-        Target(V1_MODULE, f"{RUNNER_CLASS}._dummy_run", wrapper="_dummy_run", params=("num_tokens", "is_profile")),
+        Target(V1_MODULE, f"{RUNNER_CLASS}.__init__", V1_RELEASES, wrapper="_init"),
+        Target(V1_MODULE, f"{RUNNER_CLASS}.execute_model", V1_RELEASES, wrapper="_execute_model",
+               params=("scheduler_output",)),
+        Target(V1_MODULE, f"{RUNNER_CLASS}._dummy_run", V1_RELEASES, wrapper="_dummy_run",
+               params=("num_tokens", "is_profile")),
         Target(V2_MODULE, f"{RUNNER_CLASS}.__init__", wrapper="_init"),
         Target(V2_MODULE, f"{RUNNER_CLASS}.execute_model", wrapper="_execute_model_v2",
                params=("scheduler_output", "dummy_run")),
@@ -56,6 +59,17 @@ SPEC = PatchSpec(
                 "forwards; its graph-capture forwards are not counted (the graph manager runs them, not "
                 "_dummy_run)",
                 (Proof("v1/worker/gpu/warmup.py", 'f"_warmup_{i}_"'),)),
+        Support(">=0.34.0", "applies",
+                "the overlay's own per-forward counts, on Model Runner V2 only (vLLM 0.34.0 removed the V1 "
+                "runner: VLLM_USE_V2_MODEL_RUNNER other than 1 is refused). __init__, execute_model("
+                "scheduler_output, ..., dummy_run) and _dummy_run(num_tokens, is_profile) exist; every warm-up "
+                "step (_warmup_{i}_, and the _v2_mixed_warmup_* steps, among them the extensible KV cache's "
+                "sizing step of max_num_batched_tokens tokens) is counted as a dummy forward, never as traffic",
+                (Proof("v1/worker/gpu/warmup.py", 'f"_warmup_{i}_"'),
+                 Proof("v1/worker/gpu/warmup.py", 'req_id_prefix: str = "_v2_mixed_warmup"'),
+                 Proof("v1/worker/gpu/warmup.py", 'f"{req_id_prefix}_prefill_{i}_"'),
+                 Proof("v1/worker/gpu/warmup.py", 'f"_context_warmup_{i}_"'),
+                 Proof("platforms/interface.py", "Model Runner V1 has been removed"))),
     ),
     default=True,
     retire_when="vLLM exports per-forward scheduled-token counts itself (a metric or a hook).",

@@ -36,6 +36,7 @@ from vllm_overlay.patches._runner import (
     RUNNER_CLASS,
     RUNNER_MODULES,
     V1_MODULE,
+    V1_RELEASES,
     V2_MODULE,
     WORKER,
     WORKER_MODULE,
@@ -122,6 +123,10 @@ REWRITES = (
         "0.32.0": "4677edfe53828b96e1d00976ef4f3e9368d1b0ece2aeaa994b393369025c49fc",
         "0.33.0": "4677edfe53828b96e1d00976ef4f3e9368d1b0ece2aeaa994b393369025c49fc",
     }),
+    # 0.34.0: the main path allocates torch.empty (left as it is); the fused spec-decode path still zeros
+    *per_release(Target(MOD_QWEN, f"{CLS_QWEN}.forward_cuda"), PATH_QWEN, (_FUSED,), {
+        "0.34.0": "f862cdd031514498a931ada9f6931b5a1fe517e3f4fe22823bf466fc85002cf2",
+    }),
     *per_release(Target(MOD_QWEN, f"{CLS_QWEN}.forward_cpu"), PATH_QWEN, (_CPU,), {
         "0.22.0": "d66cf1a6746e4421fb83d89e48089f719a70539b34904a72e84c5506d72559f5",
         "0.22.1": "d66cf1a6746e4421fb83d89e48089f719a70539b34904a72e84c5506d72559f5",
@@ -154,10 +159,11 @@ SPEC = PatchSpec(
         Target(MOD_020, f"{CLS_020}.forward_cuda", "<0.22.0"),
         Target(MOD_QWEN, f"{CLS_QWEN}.__init__", ">=0.22.0", wrapper="_init"),
         Target(MOD_QWEN, f"{CLS_QWEN}.forward_cuda", ">=0.22.0"),
-        Target(MOD_QWEN, f"{CLS_QWEN}.forward_cpu", ">=0.22.0"),
-        Target(V1_MODULE, f"{RUNNER_CLASS}._model_forward", wrapper="_model_forward",
+        Target(MOD_QWEN, f"{CLS_QWEN}.forward_cpu", ">=0.22.0,<=0.33.0"),  # no CPU build of vLLM after 0.32.0
+        Target(V1_MODULE, f"{RUNNER_CLASS}._model_forward", V1_RELEASES, wrapper="_model_forward",
                params=("input_ids", "positions", "intermediate_tensors", "inputs_embeds")),
-        Target(V1_MODULE, f"{RUNNER_CLASS}._dummy_run", wrapper="_dummy_run", params=("num_tokens", "is_profile")),
+        Target(V1_MODULE, f"{RUNNER_CLASS}._dummy_run", V1_RELEASES, wrapper="_dummy_run",
+               params=("num_tokens", "is_profile")),
         Target(V2_MODULE, f"{RUNNER_CLASS}.prepare_inputs", wrapper="_prepare_inputs_v2",
                params=("scheduler_output", "batch_desc")),
         Target(V2_MODULE, f"{RUNNER_CLASS}._dummy_run", wrapper="_dummy_run", params=("num_tokens", "is_profile")),
@@ -192,6 +198,17 @@ SPEC = PatchSpec(
                 "batch_desc, _dummy_run, capture_model) guard the buffer",
                 (Proof(PATH_QWEN, "core_attn_out = torch.zeros("),
                  Proof("config/vllm.py", '"hybrid/mamba models', present=False))),
+        Support(">=0.34.0", "applies",
+                f"{CLS_QWEN}.forward_cuda's main path now allocates core_attn_out = torch.empty(...) per forward "
+                "(no memset, sized per forward: nothing to save and no size to disagree), and is left as it "
+                "is; its fused spec-decode path (the CUDA GDN decode kernel with a speculative config, i.e. MTP, "
+                "on every forward of a bf16 model, prefills included) still allocates torch.zeros((num_tokens, "
+                "...)) per forward: only layers that take that path get the buffer, guarded by the V2 hooks "
+                "(V1 removed)",
+                (Proof(PATH_QWEN, "core_attn_out = torch.empty("),
+                 Proof(PATH_QWEN, "        if use_fused_gdn_spec_decode:\n            core_attn_out = torch.zeros("),
+                 Proof(PATH_QWEN, 'self.gdn_decode_kernel == "cuda" and self.speculative_config is not None'),
+                 Proof("platforms/interface.py", "Model Runner V1 has been removed"))),
     ),
     default=True,
     retire_when=(
@@ -345,9 +362,35 @@ def _attach(layer: Any) -> None:
     object.__setattr__(layer, ATTR, buf)
 
 
+EMPTY_MAIN_FROM = "0.34.0"  # from here forward_cuda's main path allocates torch.empty: only the fused path zeros
+_noted_empty: list[bool] = [False]
+
+
+def needs_buffer(layer: Any) -> bool:
+    """Whether this layer's forward allocates zeros per forward on this vLLM: every layer before 0.34.0; from
+    0.34.0 only a layer that takes the fused spec-decode path (``enable_fused_gdn_spec_decode``)."""
+    from packaging.version import Version
+
+    version = STATE.vllm_version
+    if not version or Version(version) < Version(EMPTY_MAIN_FROM):
+        return True
+    if getattr(layer, "enable_fused_gdn_spec_decode", False):
+        return True
+    STATE.count("gdn_layers_left_to_vllm")
+    if not _noted_empty[0]:
+        _noted_empty[0] = True
+        msg = (f"gdn-output-prealloc: vLLM {version} allocates the GDN output with torch.empty on its main path "
+               "(no per-forward zeros to save); only layers on the fused spec-decode path (MTP) get the buffer, "
+               "this one keeps vLLM's allocation (counter gdn_layers_left_to_vllm)")
+        LOG.info(msg)
+        STATE.event(msg)
+    return False
+
+
 def _init(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     result = wrapped(*args, **kwargs)
-    _attach(instance)
+    if needs_buffer(instance):
+        _attach(instance)
     return result
 
 

@@ -112,7 +112,7 @@ SPEC = PatchSpec(
                  Proof(TQ_CONFIG, "def get_boundary_skip_layers(num_layers: int, n: int = 2)"),
                  Proof(TQ_CONFIG, "def from_cache_dtype(cache_dtype: str, head_dim: int)"),
                  Proof(TQ_CONFIG, "def slot_size_aligned(self) -> int:"))),
-        Support(">=0.22.0,<=0.33.0", "upstream-merged",
+        Support(">=0.22.0,<=0.34.0", "upstream-merged",
                 "vLLM PR 39931 (in 0.22.0): no refusal, no boundary layers on hybrids, and the planner "
                 "sizes TurboQuant's packed page (lcm with skipped layers)",
                 (Proof("engine/arg_utils.py", REFUSAL_TEXT, present=False),

@@ -37,7 +37,7 @@ from vllm_overlay.errors import OverlayError
 from vllm_overlay.patches._memory_measure import is_oom, measure, tensors
 from vllm_overlay.patches._memory_meters import MeterUnavailable, RssMeter, meter_for, runner_meter
 from vllm_overlay.patches._memory_watch import MARK_FILE, Watch
-from vllm_overlay.patches._runner import RUNNER, RUNNER_MODULE, RUNNER_MODULES, V2_MODULE, kind
+from vllm_overlay.patches._runner import RUNNER, RUNNER_MODULE, RUNNER_MODULES, V1_RELEASES, V2_MODULE, kind
 from vllm_overlay.report import LOG, STATE
 from vllm_overlay.spec import PatchSpec, Proof, Support, Target
 
@@ -119,8 +119,8 @@ SPEC = PatchSpec(
                platform="cuda"),
         Target(CPU_WORKER_MODULE, "CPUWorker.determine_available_memory", wrapper="_determine_available_memory",
                platform="cpu"),
-        Target(RUNNER_MODULE, f"{RUNNER}.profile_run", wrapper="_profile_run"),
-        Target(RUNNER_MODULE, f"{RUNNER}.initialize_kv_cache", wrapper="_initialize_kv_cache",
+        Target(RUNNER_MODULE, f"{RUNNER}.profile_run", V1_RELEASES, wrapper="_profile_run"),
+        Target(RUNNER_MODULE, f"{RUNNER}.initialize_kv_cache", V1_RELEASES, wrapper="_initialize_kv_cache",
                params=("kv_cache_config", "is_profiling")),
         # Model Runner V2 (its CPU build's class inherits these)
         Target(V2_MODULE, f"{RUNNER}.profile_run", V2_RELEASES, wrapper="_profile_run"),
@@ -163,6 +163,20 @@ SPEC = PatchSpec(
                 "the V2 path is checked in source and driven with vLLM's V2 classes and stand-in bodies only",
                 (Proof("config/vllm.py", "def _is_default_v2_model_runner_model", present=False),
                  _TRANSIENT, *_RUNNER_PROOFS, *_V2_PROOFS)),
+        Support(">=0.34.0", "applies",
+                "Model Runner V2 only (V1 removed). vLLM's extensible KV cache, its default on CUDA from 0.34.0 "
+                "(unless kv_cache_memory_bytes is set), sizes the cache after warm-up steps of real "
+                "execute_model at max_num_batched_tokens and keeps their measured peak plus max(1 GiB, 0.75 x "
+                "peak) free: profiling no longer sizes it, so there the patch measures and moves nothing and "
+                "says so once (headroom_not_corrected). With the extensible KV cache off "
+                "(--no-enable-extensible-kv-cache) vLLM sizes the cache from profiling as on 0.33.0 and the V2 "
+                "correction of 0.32.0-0.33.0 applies",
+                (Proof("config/cache.py", "enable_extensible_kv_cache: bool = Field(default=None)"),
+                 Proof(WORKER_PATH, "run_kv_cache_sizing_warmup(\n"),
+                 Proof(WORKER_PATH, "if self.cache_config.enable_extensible_kv_cache:\n"
+                                    "            kv_cache = self.model_runner.extensible_kv_cache"),
+                 Proof("platforms/interface.py", "Model Runner V1 has been removed"),
+                 _TRANSIENT, *_V2_PROOFS)),
     ),
     default=True,
     disabled_by="VLLM_OVERLAY_MEMORY_HEADROOM",
@@ -238,6 +252,11 @@ def _why_not(worker: Any, runner: Any, cpu: bool) -> str | None:
     if getattr(cache_config, "kv_cache_memory_bytes", None):
         return ("kv_cache_memory_bytes is set (on the CPU build also by VLLM_CPU_KVCACHE_SPACE): the KV cache "
                 "size is the user's, vLLM does not size it from profiling, and nothing is measured or moved")
+    if getattr(cache_config, "enable_extensible_kv_cache", None):
+        return ("vLLM's extensible KV cache is on (vLLM 0.34.0's default on CUDA): vLLM sizes the KV cache after "
+                "warm-up steps of max_num_batched_tokens tokens, keeping their measured peak plus a margin free, "
+                "not from profiling; nothing is measured or moved (--no-enable-extensible-kv-cache gives "
+                "profiling-based sizing back, which this patch corrects)")
     k = kind(runner)
     name = f"{type(runner).__module__}.{type(runner).__name__}"
     if k is None:

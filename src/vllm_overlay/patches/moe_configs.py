@@ -43,8 +43,10 @@ SPEC = PatchSpec(
     why=" ".join(__doc__.split("\n\n")[1:3]).replace("\n", " ").strip(),
     upstream="https://github.com/vllm-project/vllm/blob/v0.20.2/vllm/model_executor/layers/fused_moe/fused_moe.py "
              "(get_moe_configs; configs/ holds no E=256,N=512 bf16 file for the H200)",
-    targets=(Target(FUSED_MOE, "get_moe_configs", wrapper="_get_moe_configs",
-                    params=("E", "N", "dtype", "block_n", "block_k")),),
+    targets=(Target(FUSED_MOE, "get_moe_configs", "<=0.33.0", wrapper="_get_moe_configs",
+                    params=("E", "N", "dtype", "block_n", "block_k")),
+             Target(FUSED_MOE, "get_moe_configs", ">=0.34.0", wrapper="_get_moe_configs",
+                    params=("E", "N", "dtype", "block_n", "block_k", "down_moe"))),
     mechanism="wrap",
     support=(
         Support(">=0.20.0,<=0.33.0", "applies",
@@ -55,6 +57,18 @@ SPEC = PatchSpec(
                 (Proof(FM_PATH, "@functools.lru_cache\ndef get_moe_configs(\n    E: int,\n    N: int,\n"
                                 "    dtype: str | None,\n    block_n: int | None = None,\n"
                                 "    block_k: int | None = None,\n) -> dict[int, Any] | None:"),
+                 Proof(FM_PATH, "configs = get_moe_configs(E, N, dtype, block_n, block_k)"),
+                 Proof(FM_PATH, "user_defined_config_folder = envs.VLLM_TUNED_CONFIG_FOLDER"))),
+        Support(">=0.34.0", "applies",
+                "as before, with a new argument down_moe (the Triton experts ask for a separate down-projection "
+                "config, file name ending _down.json, for block-FP8 weights): the wrapper passes it on, keys "
+                "its decisions by it, and looks only for the _down.json name vLLM would, so a gate/up config is "
+                "never handed to the down projection",
+                (Proof(FM_PATH, "@functools.lru_cache\ndef get_moe_configs(\n    E: int,\n    N: int,\n"
+                                "    dtype: str | None,\n    block_n: int | None = None,\n"
+                                "    block_k: int | None = None,\n    down_moe: bool = False,\n"
+                                ") -> dict[int, Any] | None:"),
+                 Proof(FM_PATH, 'json_file_name = json_file_name.removesuffix(".json") + "_down.json"'),
                  Proof(FM_PATH, "configs = get_moe_configs(E, N, dtype, block_n, block_k)"),
                  Proof(FM_PATH, "user_defined_config_folder = envs.VLLM_TUNED_CONFIG_FOLDER"))),
     ),
@@ -90,9 +104,15 @@ def dtype_label(dtype: str | None) -> str:
     return dtype or "bf16/fp16"  # vLLM names no dtype for the unquantized kernel
 
 
-def shape_key(E: int, N: int, dtype: str | None, block_shape: list[int] | None, device: str) -> str:  # noqa: N803
+def shape_key(E: int, N: int, dtype: str | None, block_shape: list[int] | None, device: str,  # noqa: N803
+              down_moe: bool = False) -> str:
     blocks = f",block_shape=[{block_shape[0]},{block_shape[1]}]" if block_shape else ""
-    return f"E={E},N={N},dtype={dtype_label(dtype)}{blocks},device={device}"
+    return f"E={E},N={N},dtype={dtype_label(dtype)}{blocks},device={device}" + (",down" if down_moe else "")
+
+
+def down_name(file_name: str) -> str:
+    """The file vLLM 0.34.0 reads for a down-projection lookup (``get_moe_configs(..., down_moe=True)``)."""
+    return file_name.removesuffix(".json") + "_down.json"
 
 
 def vllm_paths(module: ModuleType, file_name: str) -> list[str]:
@@ -162,15 +182,19 @@ def on_revert() -> None:
     reset()
 
 
-def _args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, int, str | None, int | None, int | None]:
-    names = ("E", "N", "dtype", "block_n", "block_k")
-    vals: list[Any] = [None, None, None, None, None]
-    for i, v in enumerate(args[:5]):
+def _args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, int, str | None, int | None, int | None,
+                                                                  bool]:
+    """(E, N, dtype, block_n, block_k, down_moe) of a get_moe_configs call (down_moe: vLLM 0.34.0 on)."""
+    names = ("E", "N", "dtype", "block_n", "block_k", "down_moe")
+    vals: list[Any] = [None, None, None, None, None, False]
+    if len(args) > len(names) or any(k not in names for k in kwargs):
+        raise TypeError("unknown get_moe_configs arguments")
+    for i, v in enumerate(args):
         vals[i] = v
     for i, n in enumerate(names):
         if n in kwargs:
             vals[i] = kwargs[n]
-    return int(vals[0]), int(vals[1]), vals[2], vals[3], vals[4]
+    return int(vals[0]), int(vals[1]), vals[2], vals[3], vals[4], bool(vals[5])
 
 
 def _record(key: str, source: str, line: str, warn: bool) -> None:
@@ -180,12 +204,15 @@ def _record(key: str, source: str, line: str, warn: bool) -> None:
 
 
 def decide(module: ModuleType, E: int, N: int, dtype: str | None,  # noqa: N803
-           block_n: int | None, block_k: int | None) -> tuple[str, str | None, str]:
-    """(report key, our file to load or None, the report's source text) for one shape."""
+           block_n: int | None, block_k: int | None, down_moe: bool = False) -> tuple[str, str | None, str]:
+    """(report key, our file to load or None, the report's source text) for one shape; a down-projection
+    lookup (``down_moe``) looks for the ``_down.json`` name only, as vLLM does."""
     block_shape = [block_n, block_k] if block_n and block_k else None
     name = module.get_config_file_name(E, N, dtype, block_shape)
     device = device_of(name)
-    key = shape_key(E, N, dtype, block_shape, device)
+    if down_moe:
+        name = down_name(name)
+    key = shape_key(E, N, dtype, block_shape, device, down_moe)
     if getattr(getattr(module, "envs", None), "VLLM_BATCH_INVARIANT", False):
         return key, None, "vLLM default (VLLM_BATCH_INVARIANT is set: vLLM uses no tuned config)"
     for path in vllm_paths(module, name):
@@ -199,10 +226,10 @@ def decide(module: ModuleType, E: int, N: int, dtype: str | None,  # noqa: N803
 
 def _get_moe_configs(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     try:
-        E, N, dtype, block_n, block_k = _args(args, kwargs)  # noqa: N806
+        E, N, dtype, block_n, block_k, down_moe = _args(args, kwargs)  # noqa: N806
     except (TypeError, ValueError):
         return wrapped(*args, **kwargs)  # a call shape we do not know: vLLM decides alone
-    cache_key = (E, N, dtype, block_n, block_k)
+    cache_key = (E, N, dtype, block_n, block_k, down_moe)
     with _LOCK:
         hit = _DECIDED.get(cache_key)
     if hit is not None:
@@ -211,7 +238,7 @@ def _get_moe_configs(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs:
     module = sys.modules[FUSED_MOE]
     try:
         note_shipped()
-        key, ours_path, source = decide(module, E, N, dtype, block_n, block_k)
+        key, ours_path, source = decide(module, E, N, dtype, block_n, block_k, down_moe)
     except Exception as exc:  # noqa: BLE001 - never break vLLM's kernel path: vLLM decides alone
         LOG.warning("moe-configs: E=%d N=%d dtype=%s: lookup failed (%s: %s); vLLM decides alone",
                     E, N, dtype_label(dtype), type(exc).__name__, exc)

@@ -42,7 +42,11 @@ SPEC = PatchSpec(
         Support("<0.31.0", "applies", BOUNDS_EVERY,
                 (Proof(SCHED_PATH, "if 0 < self.scheduler_config.long_prefill_token_threshold < num_new_tokens"),
                  Proof(SCHED_PATH, ONLY_WHEN_SHARED, present=False))),
-        Support(">=0.31.0,<=0.33.0", "applies", BOUNDS_SHARED, (Proof(SCHED_PATH, ONLY_WHEN_SHARED),)),
+        Support(">=0.31.0,<=0.33.0", "applies", BOUNDS_SHARED,
+                (Proof(SCHED_PATH, "if num_eligible_reqs > 1\n"),)),
+        Support(">=0.34.0", "applies", BOUNDS_SHARED + "; vLLM now also reads the threshold only with chunked "
+                "prefill on, where the clamp stood aside already",
+                (Proof(SCHED_PATH, "if self.scheduler_config.enable_chunked_prefill and num_eligible_reqs > 1"),)),
     ),
     default=False,
     enabled_by="VLLM_OVERLAY_PREFILL_CHUNK_CLAMP",

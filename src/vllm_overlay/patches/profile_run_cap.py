@@ -12,6 +12,7 @@ from vllm_overlay.patches._runner import (
     RUNNER_CLASS,
     RUNNER_MODULES,
     V1_MODULE,
+    V1_RELEASES,
     V2_MODULE,
     WORKER,
     WORKER_MODULE,
@@ -42,9 +43,9 @@ SPEC = PatchSpec(
     ),
     upstream="https://github.com/vllm-project/vllm/blob/v0.20.2/vllm/v1/worker/gpu_model_runner.py (profile_run)",
     targets=(
-        Target(V1_MODULE, f"{RUNNER_CLASS}._dummy_run", wrapper="_dummy_run",
+        Target(V1_MODULE, f"{RUNNER_CLASS}._dummy_run", V1_RELEASES, wrapper="_dummy_run",
                params=("num_tokens", "is_profile", "skip_eplb", "remove_lora")),
-        Target(V1_MODULE, f"{RUNNER_CLASS}.capture_model", wrapper="_capture_model"),
+        Target(V1_MODULE, f"{RUNNER_CLASS}.capture_model", V1_RELEASES, wrapper="_capture_model"),
         # Model Runner V2: _dummy_run takes remove_lora in **kwargs (and ignores it)
         Target(V2_MODULE, f"{RUNNER_CLASS}._dummy_run", wrapper="_dummy_run",
                params=("num_tokens", "is_profile", "skip_eplb")),
@@ -71,6 +72,18 @@ SPEC = PatchSpec(
                 "locks the workspace",
                 (Proof("v1/worker/gpu/model_runner.py", "lock_workspace()"),
                  Proof("v1/worker/gpu/cudagraph_utils.py", "capture_model(profile_only=True)"))),
+        Support(">=0.34.0", "applies",
+                "Model Runner V2 only (V1 removed), the same two hooks as on 0.30.0-0.33.0. With the extensible "
+                "KV cache (vLLM's default on CUDA) the capped profile forward sets only the activation reserve "
+                "kept free during warm-up: vLLM then sizes the KV cache from real warm-up steps of "
+                "max_num_batched_tokens tokens before capture, so the cap cannot leave the KV cache too large "
+                "there; with the extensible KV cache off it works as on 0.33.0",
+                (Proof("v1/worker/gpu/model_runner.py", "lock_workspace()"),
+                 Proof("v1/worker/gpu/cudagraph_utils.py", "capture_model(profile_only=True)"),
+                 Proof("v1/worker/gpu/model_runner.py", "hidden_states, sample_hidden_states = self._dummy_run(\n"
+                                                        "            self.max_num_tokens,\n"),
+                 Proof("v1/worker/gpu_worker.py", "run_kv_cache_sizing_warmup(\n"),
+                 Proof("platforms/interface.py", "Model Runner V1 has been removed"))),
     ),
     default=False,
     enabled_by="VLLM_OVERLAY_PROFILE_RUN_CAP",

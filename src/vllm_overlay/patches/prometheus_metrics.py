@@ -37,7 +37,7 @@ SPEC = PatchSpec(
     targets=(Target(TRIGGER, MULTIPROC_INIT, wrapper="_multiproc_init"),),
     mechanism="wrap",
     support=(
-        Support(">=0.20.0,<=0.33.0", "applies",
+        Support(">=0.20.0,<=0.34.0", "applies",
                 "vLLM serves /metrics from prometheus_client (default REGISTRY, or a "
                 "MultiProcessCollector registry with PROMETHEUS_MULTIPROC_DIR); the wrapped "
                 "MultiProcessCollector.__init__ is prometheus_client's, not vLLM's",

@@ -68,7 +68,7 @@ SPEC = PatchSpec(
     ),
     mechanism="wrap",
     support=(
-        Support(">=0.20.0,<=0.33.0", "applies",
+        Support(">=0.20.0,<=0.34.0", "applies",
                 "EngineCore.__init__ builds model_executor, whose collective_rpc(method, timeout, ...) "
                 "runs a callable on every worker and returns one answer per rank; the busy loop "
                 "calls step or step_with_batch_queue; each worker's WorkerWrapperBase (its "

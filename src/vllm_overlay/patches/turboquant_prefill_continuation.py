@@ -63,7 +63,7 @@ SPEC = PatchSpec(
                 "query_start_loc; the per-request loop reads the device lengths (.tolist()), so the "
                 "patch reads them the same way, only when the fast-path condition holds",
                 _COMMON + (Proof(TQ_ATTN, "qsl = query_start_loc.tolist()"),)),
-        Support(">=0.22.0,<=0.33.0", "applies",
+        Support(">=0.22.0,<=0.34.0", "applies",
                 "the same fast path; the metadata carries CPU copies of the query starts and "
                 "sequence lengths, which the patch reads (no device sync)",
                 _COMMON + (Proof(TQ_ATTN, "qsl = attn_metadata.query_start_loc_cpu.tolist()"),

@@ -78,19 +78,19 @@ _TRANSPOSE = "kv_cache = kv_cache.transpose(1, 2)"  # vLLM's forward and store, 
 # what every supported release shares: verify batches are prefills of a backend whose builder
 # allows full graphs for uniform batches; both runners capture them with seq_len == q_len; the
 # store kernel writes the k8v4 slot [FP8 key | 4-bit values | fp16 scale | fp16 zero]
-_COMMON = (
+_BACKEND = (
     Proof(TQ_ATTN, "self._init_reorder_batch_threshold(1, supports_spec_as_decode=False)"),
     Proof(TQ_ATTN, "is_prefill=(cam.max_query_len > 1),"),
     Proof(TQ_ATTN, "_cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH"),
     Proof(TQ_ATTN, "attn_metadata = self.build(0, common_attn_metadata)"),
     Proof(TQ_ATTN, "def _ensure_on_device(self, layer, device):"),
-    Proof(V1_RUNNER, "seq_lens = max_query_len  # type: ignore[assignment]"),
     Proof(V2_DUMMY, "# seq_len equals to query_len"),
     Proof(TQ_STORE, "tl.store(KV_cache_ptr + slot_base + d_offs, k_bytes, mask=d_mask)"),
     Proof(TQ_STORE, "val_cache_offset = KPS"),
     Proof(TQ_STORE, "sc_offset = val_cache_offset + VAL_DATA_BYTES"),
     Proof("v1/attention/ops/triton_turboquant_decode.py", "def _use_fp8_e4b15(device: int = 0) -> int:"),
 )
+_COMMON = _BACKEND + (Proof(V1_RUNNER, "seq_lens = max_query_len  # type: ignore[assignment]"),)  # up to 0.33.0
 # 0.22.0 on: the prefill loop's host lengths come from CPU copies (no capture error: wrong replays)
 _CPU_COPIES = (
     Proof(TQ_ATTN, "qsl = attn_metadata.query_start_loc_cpu.tolist()"),
@@ -142,6 +142,14 @@ SPEC = PatchSpec(
                 "checked); an SoA cache (FlyDSL, ROCm gfx950 only) is left to vLLM with a warning",
                 _COMMON + _CPU_COPIES + (Proof(TQ_ATTN, _TRANSPOSE),
                                          Proof(TQ_ATTN, "self._soa_store = self._use_flydsl"))),
+        Support(">=0.34.0", "applies",
+                "as on 0.28.0-0.33.0 on Model Runner V2, the only runner left (V1 removed): the backend's "
+                "UNIFORM_BATCH graph support, supports_spec_as_decode=False, is_prefill=(max_query_len > 1) "
+                "and the prefill loop are unchanged, V2's dummy verify batch still has seq_len == q_len, and "
+                "the store and decode kernels are 0.33.0's byte for byte",
+                _BACKEND + _CPU_COPIES + (Proof(TQ_ATTN, _TRANSPOSE),
+                                          Proof(TQ_ATTN, "self._soa_store = self._use_flydsl"),
+                                          Proof("platforms/interface.py", "Model Runner V1 has been removed"))),
     ),
     default=True,
     retire_when=("vLLM's TurboQuant backend runs verify batches as decode under full CUDA graphs "

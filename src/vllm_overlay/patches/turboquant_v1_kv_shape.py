@@ -87,6 +87,10 @@ SPEC = PatchSpec(
                 "allocator Model Runner V2 uses)",
                 (Proof(IFACE, 'startswith("turboquant_"):\n        return KVQuantMode[kv_cache_dtype.upper()]'),
                  Proof(ATTN_LAYER, "kv_quant_mode=quant_mode,"))),
+        Support(">=0.34.0", "not-needed",
+                "retired: vLLM 0.34.0 removed the V1 model runner whose KV-cache reshape this patch fixes "
+                "(v1/worker/gpu_model_runner.py is gone; VLLM_USE_V2_MODEL_RUNNER other than 1 is refused)",
+                (Proof("platforms/interface.py", "Model Runner V1 has been removed"),)),
     ),
     default=True,
     retire_when="the oldest supported release is 0.27.0 or later (TurboQuant specs carry their own "

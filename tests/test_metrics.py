@@ -171,12 +171,12 @@ def test_read_metrics_bounds_the_largest_forward(monkeypatch) -> None:  # type: 
     after = metrics_text.Scrape(buckets={1024: 8, 2048: 20}, max_forward=2009,
                            processes={"7": {"role": "worker rank 0", "patches": {}, "counters": {}}})
     monkeypatch.setattr(run.time, "sleep", lambda s: None)
-    monkeypatch.setattr(run.metrics_text, "scrape", lambda base, timeout=30: after)
-    procs, sizes, _, largest, exact = run._read_metrics("http://x", before)
-    assert sizes == {1024: 3, 2048: 12} and (largest, exact) == (2009, False)
+    monkeypatch.setattr(run.metrics_text, "scrape", lambda base, timeout=30, api_key=None: after)
+    procs, sizes, _, largest, exact, servers_n = run._read_metrics("http://x", before, None)
+    assert sizes == {1024: 3, 2048: 12} and (largest, exact, servers_n) == (2009, False, 1)
     assert procs[0]["_path"] == "http://x/metrics (pid 7)"
     after.max_forward = 2040  # grew during the run: exact
-    assert run._read_metrics("http://x", before)[3:] == (2040, True)
+    assert run._read_metrics("http://x", before, None)[3:5] == (2040, True)
 
 
 # ---- one real API server ----------------------------------------------------------------------

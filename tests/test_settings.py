@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from vllm_overlay import settings
@@ -16,7 +18,7 @@ def test_defaults() -> None:
     assert settings.value("VLLM_OVERLAY_MEMORY_HEADROOM", {}) is True
     assert settings.value("VLLM_OVERLAY_MEMORY_HEADROOM", {"VLLM_OVERLAY_MEMORY_HEADROOM": "0"}) is False
     assert settings.resolve("VLLM_OVERLAY_ENABLE", {}).source == "default"
-    assert settings.value("VLLM_OVERLAY_REPORT_DIR", {}).endswith("vllm-overlay-reports")
+    assert settings.value("VLLM_OVERLAY_REPORT_DIR", {}).endswith(f"vllm-overlay-reports-{os.geteuid()}")
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,8 @@ Series (all prefixed ``vllm_overlay_``):
 - ``patch_info`` (``patch``, ``status``, ``role``, ``pid``): one series per patch and process.
 - ``engine_config_info``: the live limits the workers saw, and the server id.
 - ``processes``: how many overlay processes of this server reported, by role.
+- ``reports_gone``: report files of this server id whose process is gone from this host, left out.
+- ``server_id_servers``: live servers (process trees) reporting this server id; above 1 they share it.
 - ``rank_missing_info`` (``engine_pid``, ``rank``, ``why``): a worker rank its engine core expected
   and got no report from (patch rank-reports).
 

@@ -125,7 +125,7 @@ def dir_problem(path: str, default: bool) -> str | None:
     creates nothing."""
     try:
         st = os.lstat(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         parent = os.path.dirname(path.rstrip(os.sep)) or os.sep
         while not os.path.lexists(parent) and parent != os.path.dirname(parent):
             parent = os.path.dirname(parent)

@@ -18,6 +18,7 @@ class StandIn:
         self.metrics: tuple[int, str] = (200, "")
         self.metrics_from: tuple[str, str] | None = None  # (report dir, server id): the real collector
         self.completion: str = "ok"  # "ok" | "hang"
+        self.api_key: str | None = None  # set: /v1/* answers 401 without "Authorization: Bearer KEY", as vLLM's
         self.on_completion: Callable[[dict[str, Any]], None] | None = None
         self.completions = 0
         self.url = ""
@@ -44,7 +45,12 @@ class StandIn:
     def _serve(self, ready: threading.Event) -> None:
         from aiohttp import web
 
-        async def models(_req: web.Request) -> web.Response:
+        def refused(req: web.Request) -> bool:
+            return self.api_key is not None and req.headers.get("Authorization") != f"Bearer {self.api_key}"
+
+        async def models(req: web.Request) -> web.Response:
+            if refused(req):
+                return web.json_response({"error": "Unauthorized"}, status=401)
             status, body = self.models
             if isinstance(body, str):
                 return web.Response(status=status, text=body, content_type="text/html")
@@ -57,6 +63,8 @@ class StandIn:
             return web.Response(text="")
 
         async def completions(req: web.Request) -> web.StreamResponse:
+            if refused(req):
+                return web.json_response({"error": "Unauthorized"}, status=401)
             body = await req.json()
             self.completions += 1
             if self.on_completion is not None:

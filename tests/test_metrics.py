@@ -171,12 +171,12 @@ def test_read_metrics_bounds_the_largest_forward(monkeypatch) -> None:  # type: 
     after = metrics_text.Scrape(buckets={1024: 8, 2048: 20}, max_forward=2009,
                            processes={"7": {"role": "worker rank 0", "patches": {}, "counters": {}}})
     monkeypatch.setattr(run.time, "sleep", lambda s: None)
-    monkeypatch.setattr(run.metrics_text, "scrape", lambda base, timeout=30: after)
-    procs, sizes, _, largest, exact = run._read_metrics("http://x", before)
-    assert sizes == {1024: 3, 2048: 12} and (largest, exact) == (2009, False)
+    monkeypatch.setattr(run.metrics_text, "scrape", lambda base, timeout=30, api_key=None: after)
+    procs, sizes, _, largest, exact, servers_n = run._read_metrics("http://x", before, None)
+    assert sizes == {1024: 3, 2048: 12} and (largest, exact, servers_n) == (2009, False, 1)
     assert procs[0]["_path"] == "http://x/metrics (pid 7)"
     after.max_forward = 2040  # grew during the run: exact
-    assert run._read_metrics("http://x", before)[3:] == (2040, True)
+    assert run._read_metrics("http://x", before, None)[3:5] == (2040, True)
 
 
 # ---- one real API server ----------------------------------------------------------------------
@@ -258,6 +258,40 @@ def test_metrics_match_the_reports_in_both_directions(served) -> None:  # type: 
     # a band /metrics cannot count exactly is refused before any traffic
     p = stress(["--url", server.url, "--band", "1000,2048", "--out", str(root / "out-bad")])
     assert p.returncode == 2 and "not a bucket edge" in p.stdout, p.stdout[-2000:]
+
+
+@pytest.mark.engine
+def test_nothing_planted_in_the_report_dir_hangs_or_blinds_metrics(served) -> None:  # type: ignore[no-untyped-def]
+    """A FIFO, a link to /dev/zero and a 50 MB file named like this server's reports, and 2,000
+    reports of dead engine cores written after the API server started: every scrape of the real
+    server's /metrics still answers within a few seconds, vLLM's series and the overlay's with it,
+    the three files are named and the dead reports left out."""
+    import time
+    import urllib.request
+
+    from test_report_dir_safety import plant, plant_dead
+
+    server, _root = served
+    before = metrics_text.scrape(server.url)
+    sid = before.engine_config["server_id"]
+    planted = set(os.listdir(server.reports))
+    try:
+        names = plant(server.reports, sid)
+        plant_dead(server.reports, sid, 2000)
+        for _ in range(3):
+            t0 = time.monotonic()
+            with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as resp:
+                text = resp.read().decode()
+            assert time.monotonic() - t0 < 8.0
+            assert "vllm:" in text and "vllm_overlay_guard_trips_total" in text
+        after = metrics_text.parse(text)
+        assert {p["role"] for p in after.processes.values()} == {p["role"] for p in before.processes.values()}
+        assert "vllm_overlay_reports_gone 2000.0" in text and after.servers == 1
+        for name in names:
+            assert f'file="{name}"' in text
+    finally:
+        for name in set(os.listdir(server.reports)) - planted:
+            os.unlink(os.path.join(server.reports, name))
 
 
 def test_each_new_failure_of_a_report_is_logged_again(tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]

@@ -105,15 +105,14 @@ def test_collector_opens_only_its_own_servers_files(tmp_path, monkeypatch) -> No
     for i in range(300):  # stale files of other servers: never opened
         (tmp_path / "reports" / f"overlay-{i:012x}-{i}-00000000.json").write_text("[]")
     opened: list[str] = []
-    real_open = open
+    real_read = report_files.read
 
     def spy(path, *a, **k):  # type: ignore[no-untyped-def]
         opened.append(str(path))
-        return real_open(path, *a, **k)
+        return real_read(path, *a, **k)
 
-    monkeypatch.setattr("builtins.open", spy)
+    monkeypatch.setattr(report_files, "read", spy)  # every reader opens a report through it
     s = metrics_text.parse(_exposition(directory, mine["server_id"]))
-    monkeypatch.setattr("builtins.open", real_open)
     assert s.band(1024, 2048) == 2
     assert [p for p in opened if p.startswith(directory)] == [mine["report"]]
 
@@ -140,8 +139,9 @@ def test_prune_keeps_the_directory_bounded_without_touching_live_files(tmp_path,
 
 def test_an_earlier_servers_files_under_the_same_id_are_not_counted(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Two boots under one hand-set VLLM_OVERLAY_SERVER_ID share the file key: the serving collector
-    leaves out a report of this host written before its process started by a process that is gone,
-    and keeps one whose process runs, one from another host, and everything when it has no start time."""
+    leaves out a report of this host whose process is gone, whenever it was written (before this
+    process started or after), and keeps one whose process runs and one from another host; a reader
+    given a directory (a post-mortem) keeps them all."""
     import socket
 
     probe = subprocess.Popen(["true"])  # a pid that no longer runs
@@ -153,9 +153,11 @@ def test_an_earlier_servers_files_under_the_same_id_are_not_counted(tmp_path, mo
     base = {"server_id": "srv", "role": "engine core", "patches": {}, "counts": {}, "written": time.time() - 3600}
     rows = {"old": {**base, "pid": dead_pid, "host": socket.gethostname(), "instance": "a"},
             "live": {**base, "pid": os.getpid(), "host": socket.gethostname(), "instance": "b"},
-            "remote": {**base, "pid": dead_pid, "host": "another-host", "instance": "c"}}
+            "remote": {**base, "pid": dead_pid, "host": "another-host", "instance": "c"},
+            "late": {**base, "pid": dead_pid, "host": socket.gethostname(), "instance": "d", "written": time.time()}}
     for n, rep in rows.items():
         (directory / f"overlay-{key}-{rep['pid']}-{rep['instance']}{n}.json").write_text(json.dumps(rep))
-    serving = metrics.ReportCache(started=time.time())
+    serving = metrics.ReportCache(live=True)
     assert sorted(r["instance"] for r in serving.reports(str(directory), "srv")) == ["b", "c"]
-    assert sorted(r["instance"] for r in metrics.ReportCache().reports(str(directory), "srv")) == ["a", "b", "c"]
+    assert serving.gone == 2
+    assert sorted(r["instance"] for r in metrics.ReportCache().reports(str(directory), "srv")) == ["a", "b", "c", "d"]

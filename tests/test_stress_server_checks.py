@@ -126,7 +126,7 @@ def test_not_a_vllm_server_is_unreachable(standin, tmp_path, route: str, answer,
     assert standin.completions == 0  # before any traffic
 
 
-def test_a_server_that_dies_after_the_warm_up_fails_cleanly(standin, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_server_that_dies_after_the_warm_up_is_unreachable(standin, tmp_path) -> None:  # type: ignore[no-untyped-def]
     d = str(tmp_path / "reports")
     write_report(d, "srv", 11, {100: 1})
     standin.metrics_from = (d, "srv")  # telemetry from /metrics: scraped again after the warm-up
@@ -141,7 +141,9 @@ def test_a_server_that_dies_after_the_warm_up_fails_cleanly(standin, tmp_path) -
 
     standin.on_completion = serve
     result, text = execute(tmp_path, url=standin.url, requests=8)
-    assert result["exit_code"] == 1 and result["verdict"] == "FAILED", text
+    # it went away (connections refused): unreachable, as docs/stress.md says, not a failed engine
+    assert result["exit_code"] == 4 and result["verdict"] == "UNREACHABLE", text
+    assert "went away during the run: server is down" in result["why"], result["why"]
     assert "Traceback" not in text
 
 
@@ -157,3 +159,49 @@ def test_a_stalled_engine_ends_within_duration_and_grace(standin, tmp_path, monk
     assert result["exit_code"] == 4 and "stopped answering" in result["why"], text
     assert "--duration 1 s + 1 s grace" in result["why"]
     assert wall < 1.0 + 1.0 + 8.0, wall  # plus the final telemetry read (2.5 s)
+
+
+def test_a_server_that_trickles_its_answer_is_cut_off_before_traffic(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from vllm_overlay.stress import target
+
+    monkeypatch.setattr(target, "PREFLIGHT_S", 3.0)
+    lsock = socket.socket()
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen(4)
+    stop = threading.Event()
+
+    def trickle() -> None:  # one byte every 0.5 s: each read answers well within any per-read timeout
+        conn, _ = lsock.accept()
+        with conn:
+            for byte in b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n" + b"x" * 100000:
+                if stop.wait(0.5):
+                    return
+                try:
+                    conn.sendall(bytes([byte]))
+                except OSError:
+                    return
+
+    threading.Thread(target=trickle, daemon=True).start()
+    t0 = time.monotonic()
+    try:
+        result, text = execute(tmp_path, url=f"http://127.0.0.1:{lsock.getsockname()[1]}", requests=4)
+    finally:
+        stop.set()
+        lsock.close()
+    assert time.monotonic() - t0 < 3.0 + 5.0
+    assert result["exit_code"] == 4 and "completely within the 3 s" in result["why"], text
+
+
+def test_a_server_with_an_api_key_is_driven_with_it(standin, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    d = str(tmp_path / "reports")
+    write_report(d, "srv", 11, {100: 1})
+    standin.metrics_from = (d, "srv")
+    standin.api_key = "sk-test-1"
+    result, text = execute(tmp_path, url=standin.url, requests=4)  # no key: refused before traffic
+    assert result["exit_code"] == 2 and "HTTP 401" in result["why"] and "--api-key KEY or set VLLM_API_KEY" in text
+    assert standin.completions == 0
+    p = subprocess.run([BIN, "stress", "--url", standin.url, "--requests", "4", "--out", str(tmp_path / "k")],
+                       capture_output=True, text=True, timeout=300, env={**clean_env(), "VLLM_API_KEY": "sk-test-1"})
+    saved = json.load(open(tmp_path / "k" / "stress.json"))
+    assert p.returncode == 3 and saved["verdict"] == "DID NOT TEST", p.stdout[-3000:]  # driven; the band not reached
+    assert standin.completions > 0 and "sk-test-1" not in open(tmp_path / "k" / "stress.json").read()

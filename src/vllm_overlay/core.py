@@ -10,6 +10,7 @@ there: recorded with its reason, no warning.
 from __future__ import annotations
 
 import importlib
+import multiprocessing
 import os
 import threading
 import time
@@ -20,7 +21,7 @@ from types import ModuleType
 from typing import Any
 
 from vllm_overlay import levels, report_files, server_id, settings, versions
-from vllm_overlay.errors import OverlayError, PatchConflictError, StrictModeError, UnknownPatchError
+from vllm_overlay.errors import OverlayError, PatchConflictError, SettingError, StrictModeError, UnknownPatchError
 from vllm_overlay.mechanisms import install as installmech
 from vllm_overlay.mechanisms import wrap as wrapmech
 from vllm_overlay import logs
@@ -139,6 +140,8 @@ def decide(
     all_specs = specs()
     known = [s.id for s in all_specs]
     on = settings.value("VLLM_OVERLAY", environ)
+    if not on:  # off: the other settings are neither read nor judged
+        return [Decision(spec, "off", "VLLM_OVERLAY=0 turns every patch off") for spec in all_specs]
     enable = settings.value("VLLM_OVERLAY_ENABLE", environ)
     disable = settings.value("VLLM_OVERLAY_DISABLE", environ)
     _check_ids("VLLM_OVERLAY_ENABLE", enable, known)
@@ -346,8 +349,14 @@ def register() -> None:
             return
         logs.setup()
         settings.validate_all()
-        server_id.ensure()  # before vLLM starts the engine core: its processes inherit the id
-        report_files.prune(settings.value("VLLM_OVERLAY_REPORT_DIR"))  # dead processes' old files
+        if settings.off() and (ignored := settings.ignored_when_off()):
+            LOG.warning("VLLM_OVERLAY=0: the overlay is off (no patch applies); its other settings were "
+                        "ignored, not checked: %s", ", ".join(ignored))
+        try:
+            _prepare_reports()
+        except SettingError:
+            if not settings.off():
+                raise
         strict = settings.value("VLLM_OVERLAY_STRICT")
         inst = versions.installed_vllm()
         STATE.vllm_version = inst.version if inst else None
@@ -404,6 +413,33 @@ def register() -> None:
         STATE.load_apply_s = time.perf_counter() - t0
         STATE.write()
         STATE.log_summary()
+
+
+def _prepare_reports() -> None:
+    """The server id and tree (set before vLLM starts the engine core: its processes inherit them),
+    the report directory (created, checked: a refused default stops start-up) and its pruning; in a
+    server's main process with a hand-set id, one WARNING when another live server uses that id."""
+    sid = server_id.ensure()
+    server_id.ensure_tree()
+    res = settings.resolve("VLLM_OVERLAY_REPORT_DIR")
+    try:
+        report_files.prepare(res.value, default=not res.is_set)
+    except ValueError:
+        raise SettingError(settings.check(res) or f"VLLM_OVERLAY_REPORT_DIR={res.value}: refused") from None
+    except OSError as exc:  # cannot create it: the report writer says so once, with backoff
+        LOG.debug("report directory %s not created: %s", res.value, exc)
+        return
+    report_files.prune(res.value)  # dead processes' old files
+    if not server_id.is_auto(sid) and multiprocessing.parent_process() is None:
+        from vllm_overlay import reports
+
+        try:
+            found = reports.scan_server(res.value, sid, settings.value("VLLM_OVERLAY_SERVER_TREE"))
+        except Exception as exc:  # noqa: BLE001 - a check, never a reason not to start
+            LOG.debug("could not check the server id's other users: %s", exc)
+            return
+        if (line := reports.shared_line(sid, found)) is not None:
+            LOG.warning("%s", line)
 
 
 def revert() -> list[str]:

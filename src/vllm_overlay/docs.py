@@ -109,7 +109,7 @@ def levels_evidence() -> str:
 
 def _default(st: settings.Setting) -> str:
     if st.name == "VLLM_OVERLAY_REPORT_DIR":
-        return "`$TMPDIR/vllm-overlay-reports`"
+        return "`$TMPDIR/vllm-overlay-reports-UID`"
     if st.default is None or st.default == ():
         return "-"
     if isinstance(st.default, bool):

@@ -26,6 +26,8 @@ Series (all prefixed ``vllm_overlay_``):
 - ``patch_info`` (``patch``, ``status``, ``role``, ``pid``): one series per patch and process.
 - ``engine_config_info``: the live limits the workers saw, and the server id.
 - ``processes``: how many overlay processes of this server reported, by role.
+- ``reports_gone``: report files of this server id whose process is gone from this host, left out.
+- ``server_id_servers``: live servers (process trees) reporting this server id; above 1 they share it.
 - ``rank_missing_info`` (``engine_pid``, ``rank``, ``why``): a worker rank its engine core expected
   and got no report from (patch rank-reports).
 
@@ -36,8 +38,6 @@ readable both ways is counted once (``reports.dedupe``).
 
 from __future__ import annotations
 
-import glob
-import json
 import os
 import threading
 import time
@@ -47,7 +47,7 @@ from typing import Any
 
 from vllm_overlay import report_files, server_id, settings
 from vllm_overlay.report import LOG, STATE
-from vllm_overlay.reports import dedupe, expand, gone_before, missing_ranks, problem
+from vllm_overlay.reports import dedupe, expand, load_file, missing_ranks, process_gone, servers, shared_line
 from vllm_overlay.telemetry import merge_sizes
 
 PREFIX = "vllm_overlay_"
@@ -58,61 +58,54 @@ HIST = PREFIX + "forward_scheduled_tokens"
 # ---- the serving side: reports -> metric families -------------------------------------------
 
 
-def process_started() -> float | None:
-    """This process's start time (psutil, a vLLM dependency), or None where it cannot be read."""
-    try:
-        import psutil
-
-        return float(psutil.Process().create_time())
-    except Exception:  # noqa: BLE001 - without it earlier servers' files are kept until pruned
-        return None
-
-
 class ReportCache:
-    """Parsed reports of one directory, re-read only when a file changed. ``started``: reports of this
-    host written before it by processes that are gone are an earlier server's (reports.gone_before)."""
+    """Parsed reports of one directory, re-read only when a file changed. Only regular files are
+    read (``report_files.read``: no FIFO, device or link, never blocking, size-limited), and never
+    while the lock is held: the lock guards the cache's dicts alone, so a slow file never holds up
+    another scrape. ``live``: reports of processes gone from this host are left out whenever they
+    were written (reports.process_gone; the serving side), and counted in ``gone``."""
 
-    def __init__(self, started: float | None = None) -> None:
-        self.started = started
+    def __init__(self, live: bool = False) -> None:
+        self.live = live
         self._lock = threading.Lock()
-        self._files: dict[str, tuple[int, int, dict[str, Any] | None]] = {}
+        # path -> (lstat stamp, the report or None, known gone)
+        self._files: dict[str, tuple[tuple[int, ...], dict[str, Any] | None, bool]] = {}
         self.skipped: dict[str, str] = {}  # path -> why it is not a report (named on /metrics)
+        self.gone = 0  # reports left out at the last read: their processes are gone
 
     def reports(self, directory: str, server: str | None) -> list[dict[str, Any]]:
         """This server's reports: only its own files are listed (their names carry the server
         id's key), so memory and time follow this server's processes, not the directory."""
-        out = []
-        with self._lock:
-            seen = set()
-            for path in glob.glob(report_files.server_glob(directory, server_id.file_key(server))):
-                seen.add(path)
-                try:
-                    st = os.stat(path)
-                except OSError:
-                    continue
-                cached = self._files.get(path)
-                if cached is None or cached[:2] != (st.st_mtime_ns, st.st_size):
-                    rep, why = None, None
-                    try:
-                        with open(path) as f:
-                            rep = json.load(f)
-                    except OSError:
-                        pass  # removed since the listing
-                    except ValueError as exc:  # the writers rename whole files: never half-written
-                        why = f"not JSON: {exc}"
-                    if rep is not None and (why := problem(rep)) is not None:
-                        rep = None
+        out, seen, gone = [], set(), 0
+        for path, st in report_files.entries(directory, server_id.file_key(server)):
+            seen.add(path)
+            stamp = (st.st_mtime_ns, st.st_size, st.st_ino, st.st_mode)
+            cached = self._files.get(path)
+            if cached is None or cached[0] != stamp:
+                rep, why = load_file(path)  # outside the lock
+                if rep is None and why is None:
+                    continue  # removed since the listing
+                if rep is not None:
+                    rep["_path"] = path
+                cached = (stamp, rep, False)
+                with self._lock:
+                    self._files[path] = cached
                     self._note(path, why)
-                    if rep is not None:
-                        rep["_path"] = path
-                    self._files[path] = (st.st_mtime_ns, st.st_size, rep)
-                    cached = self._files[path]
-                rep = cached[2]
-                if rep is not None and rep.get("server_id") == server and not gone_before(rep, self.started):
-                    out.append(rep)
-            for gone in set(self._files) - seen:
-                del self._files[gone]
-                self.skipped.pop(gone, None)
+            rep = cached[1]
+            if rep is None or rep.get("server_id") != server:
+                continue
+            if self.live and (cached[2] or process_gone(rep)):
+                if not cached[2]:  # a gone process stays gone: not checked again until the file changes
+                    with self._lock:
+                        self._files[path] = (cached[0], rep, True)
+                gone += 1
+                continue
+            out.append(rep)
+        with self._lock:
+            for path in set(self._files) - seen:
+                del self._files[path]
+                self.skipped.pop(path, None)
+            self.gone = gone
         return sorted(out, key=lambda r: int(r.get("pid", 0)))
 
     def _note(self, path: str, why: str | None) -> None:
@@ -148,7 +141,7 @@ def bucket_edges(reports: list[dict[str, Any]]) -> list[int]:
 
 def families(reports: list[dict[str, Any]], server: str | None,
              skipped: dict[str, str] | None = None,
-             missing: list[dict[str, Any]] | None = None) -> Iterator[Any]:
+             missing: list[dict[str, Any]] | None = None, left_out: int = 0) -> Iterator[Any]:
     from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
                                         InfoMetricFamily)
 
@@ -233,6 +226,16 @@ def families(reports: list[dict[str, Any]], server: str | None,
     for m in missing or []:
         gone.add_metric([str(m.get("engine_pid", "")), str(m.get("rank", "")), str(m.get("why", ""))[:200]], {})
     yield gone
+    left = GaugeMetricFamily(PREFIX + "reports_gone",
+                             "Report files of this server id whose process no longer runs on this host: left out "
+                             "of every other series (a crash, an earlier boot under the same id, a planted file).")
+    left.add_metric([], left_out)
+    yield left
+    shared = GaugeMetricFamily(PREFIX + "server_id_servers",
+                               "Live servers whose processes report this server id (their process trees): 1, or more "
+                               "when several servers share one hand-set VLLM_OVERLAY_SERVER_ID and these series mix.")
+    shared.add_metric([], max(1, len(servers(reports))) if reports else 0)
+    yield shared
     yield from write_families()
 
 
@@ -255,10 +258,10 @@ class OverlayCollector:
     def __init__(self, directory: str | None = None, server: str | None = None) -> None:
         self.directory = directory
         self.server = server
-        # the serving side (no directory given): an earlier server's files under the same server id are
-        # not counted (written before this process started, by processes that are gone)
-        self.cache = ReportCache(started=None if directory else process_started())
+        # the serving side (no directory given): reports of processes gone from this host are not counted
+        self.cache = ReportCache(live=directory is None)
         self._warned: str | None = None  # the last error logged: a new one is logged again
+        self._shared: str | None = None  # the last line on a shared server id: a new one is logged again
 
     def describe(self) -> list[Any]:
         return []  # no name checks at registration: our names never clash with vLLM's "vllm:" ones
@@ -266,20 +269,37 @@ class OverlayCollector:
     def collect(self) -> Iterator[Any]:
         server = self.server or settings.value("VLLM_OVERLAY_SERVER_ID")
         try:
-            directory = self.directory or settings.value("VLLM_OVERLAY_REPORT_DIR")
+            if self.directory is None:
+                res = settings.resolve("VLLM_OVERLAY_REPORT_DIR")
+                directory = res.value
+                if (why := settings.check(res)) is not None:  # a default directory replaced since start-up
+                    raise ValueError(f"{why}; its reports are not read")
+            else:
+                directory = self.directory
             reports = self.cache.reports(directory, server) if os.path.isdir(directory) else []
             if self.directory is None and STATE.registered:  # this process: fresher than its file
                 own = STATE.to_json()
                 reports = [r for r in reports if r.get("instance") != own["instance"]] + [own]
             reports = dedupe([r for rep in reports for r in expand(rep)])
-            out = list(families(reports, server, self.cache.skipped, missing_ranks(reports)))
+            self._say_shared(server, reports)
+            out = list(families(reports, server, self.cache.skipped, missing_ranks(reports), self.cache.gone))
         except Exception as exc:  # noqa: BLE001 - never break vLLM's own /metrics
             text = f"{type(exc).__name__}: {exc}"
             if self._warned != text:
                 LOG.warning("the /metrics collector could not read the reports: %s", text)
                 self._warned = text
             return
+        self._warned = None
         yield from out
+
+    def _say_shared(self, server: str | None, reports: list[dict[str, Any]]) -> None:
+        """One WARNING while several live servers report this server id (and again when they change)."""
+        trees = servers(reports)
+        line = shared_line(server, trees)
+        key = ",".join(sorted(trees)) if line else None
+        if line is not None and key != self._shared:
+            LOG.warning("/metrics: %s", line)
+        self._shared = key
 
 
 _collector: OverlayCollector | None = None

@@ -5,6 +5,10 @@ imported, skipped with the reason, upstream-merged, off, failed with the error),
 resolutions, guard trips and forward telemetry. It is written at register(), whenever a patch
 state changes, by a background flusher while telemetry is dirty, at exit, and on demand
 (``vllm_overlay.flush()``).
+
+No secret reaches a report: of the command line only the program's name, its subcommand and the
+option names are kept (``argv``), never a value (``--api-key sk-...`` is kept as ``--api-key``);
+nothing of the environment is written but the overlay's own server id and tree.
 """
 
 from __future__ import annotations
@@ -27,6 +31,29 @@ from vllm_overlay.telemetry import Histogram
 SCHEMA = 1
 FLUSH_EVERY_S = 1.0
 WRITE_BACKOFF_MAX_S = 60.0  # while writing fails, the flusher tries at most this seldom
+
+
+def safe_argv(argv: list[str]) -> list[str]:
+    """The command line without a value: the program's base name, a subcommand word right after it
+    (``serve``), and each option's name (``--api-key=sk-1`` and ``--api-key sk-1`` both give
+    ``--api-key``); every other word (option values, the model, paths) is left out."""
+    out = [os.path.basename(argv[0])] if argv else []
+    for i, word in enumerate(argv[1:64], start=1):
+        if word.startswith("-") and len(word) > 1:
+            name = word.split("=", 1)[0]
+            if name.lstrip("-").replace("-", "").replace("_", "").isalnum():
+                out.append(name)
+        elif i == 1 and word.isascii() and word.isalpha() and word.islower():
+            out.append(word)
+    return out
+
+
+def _cause(exc: BaseException) -> str:
+    """What a failed write's error is, without the names that change from one try to the next (the
+    temporary file's random name): its type and, for an OSError, the errno's text."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{type(exc).__name__}: {exc.strerror}"
+    return f"{type(exc).__name__}: {exc}"
 
 
 class ProcessState:
@@ -61,6 +88,7 @@ class ProcessState:
         self.dirty = False
         self.last_written = 0.0  # time.time() of the last report on disk
         self.write_error: tuple[str, str] | None = None  # (path, error) while writing fails
+        self.write_cause: str | None = None  # the error without file names: a new one is logged again
         self.write_failures = 0  # consecutive failed writes
         self.next_write_at = 0.0  # the flusher's next try while writing fails (backoff)
         self.forked_from: int | None = None
@@ -151,9 +179,10 @@ class ProcessState:
                 "forked_from": self.forked_from,
                 "host": socket.gethostname(),
                 "server_id": settings.value("VLLM_OVERLAY_SERVER_ID"),
+                "server_tree": settings.value("VLLM_OVERLAY_SERVER_TREE"),
                 "role": self.role(),
                 "tp_rank": self.tp_rank,
-                "argv": sys.argv[:4],
+                "argv": safe_argv(sys.argv),
                 "started": self.started,
                 "written": time.time(),
                 "vllm_version": self.vllm_version,
@@ -197,7 +226,8 @@ class ProcessState:
         try:
             path = self.report_path()
             data = self.snapshot()
-            os.makedirs(os.path.dirname(path), exist_ok=True)
+            res = settings.resolve("VLLM_OVERLAY_REPORT_DIR")
+            report_files.prepare(os.path.dirname(path), default=not res.is_set)  # re-checked: it may be replaced
             fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".overlay-", suffix=".tmp")
             with os.fdopen(fd, "w") as f:
                 f.write(data)
@@ -206,7 +236,7 @@ class ProcessState:
             self.last_written = time.time()
             if self.write_error is not None:
                 LOG.info("report written again to %s after %d failed attempt(s)", path, self.write_failures)
-            self.write_error, self.write_failures = None, 0
+            self.write_error, self.write_cause, self.write_failures = None, None, 0
             _ensure_flusher()  # later changes (buffers, dummy forwards) reach the file within a second
             return path
         except Exception as exc:  # noqa: BLE001 - a report failure must not kill serving
@@ -217,20 +247,20 @@ class ProcessState:
                     pass
             if data is not None:
                 self.dirty = True  # not on disk: the flusher tries again, backing off
-            self._failed(path, f"{type(exc).__name__}: {exc}")
+            self._failed(path, f"{type(exc).__name__}: {exc}", _cause(exc))
             _ensure_flusher()
             return None
 
-    def _failed(self, path: str, error: str) -> None:
-        """One WARNING per distinct error (naming the variable and the path), then backoff."""
+    def _failed(self, path: str, error: str, cause: str) -> None:
+        """One WARNING per distinct cause (naming the variable and the path), then backoff."""
         self.write_failures += 1
         self.next_write_at = time.time() + min(WRITE_BACKOFF_MAX_S, FLUSH_EVERY_S * 2 ** min(self.write_failures, 10))
-        if self.write_error is None or self.write_error[1] != error:
+        if self.write_error is None or self.write_cause != cause:
             LOG.warning("could not write the report to %s (VLLM_OVERLAY_REPORT_DIR=%s): %s; retrying with "
                         "backoff up to every %.0f s, silently until it works or the error changes "
                         "(/metrics: vllm_overlay_report_write_failing 1)",
                         path, os.path.dirname(path), error, WRITE_BACKOFF_MAX_S)
-        self.write_error = (path, error)
+        self.write_error, self.write_cause = (path, error), cause
 
     def set_identity(self, worker_rank: int | None, tp_rank: int | None) -> None:
         """Record the worker's ranks once known. A summary line written before them named an
@@ -244,7 +274,10 @@ class ProcessState:
 
     def log_summary(self, note: str = "") -> None:
         c = self.counts()
-        path = self.report_path()
+        try:
+            path = self.report_path()
+        except Exception as exc:  # noqa: BLE001 - VLLM_OVERLAY=0 leaves a bad report setting unjudged
+            path = f"none ({exc})"
         role = self.role()
         self.summary_role = role
         with self.lock:

@@ -4,18 +4,21 @@ An engine core's report may carry its worker ranks' reports (``ranks``, patch ra
 through vLLM's executor, for workers whose report directory is on another host); ``expand`` lists
 them beside it, ``dedupe`` keeps one report per process (a worker's own file and its gathered copy,
 where both are readable: the newer), and ``missing_ranks`` the ranks that sent none.
+
+Files are read through ``report_files.read`` (regular files only, never blocking, size-limited).
+``process_gone`` tells a report whose process no longer runs on this host; ``servers`` the live
+servers (process trees, ``server_tree``) behind the reports of one server id.
 """
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import socket
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_overlay import report_files
+from vllm_overlay import report_files, server_id
 from vllm_overlay.errors import OverlayError
 
 
@@ -28,30 +31,50 @@ class Scan:
     foreign: list[dict[str, Any]] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)  # path -> why
     missing: list[dict[str, Any]] = field(default_factory=list)  # ranks that sent no report (missing_ranks)
+    gone: list[str] = field(default_factory=list)  # with live=True: reports of processes gone, left out
+
+    def servers(self) -> dict[str, list[dict[str, Any]]]:
+        return servers(self.reports)
 
 
-def scan(directory: str, since: float | None = None, server: str | None = None) -> Scan:
+def load_file(path: str) -> tuple[dict[str, Any] | None, str | None]:
+    """(the report in ``path``, None) or (None, why it is not one); (None, None) when it is gone."""
+    try:
+        raw = report_files.read(path)
+    except FileNotFoundError:
+        return None, None  # removed since the listing
+    except report_files.Unreadable as exc:
+        return None, str(exc)
+    except OSError as exc:
+        return None, f"cannot read it: {exc.strerror or exc}"
+    try:
+        rep = json.loads(raw)
+    except ValueError as exc:  # the writers rename whole files: never half-written
+        return None, f"not JSON: {exc}"
+    why = problem(rep)
+    return (None, why) if why is not None else (rep, None)
+
+
+def scan(directory: str, since: float | None = None, server: str | None = None, live: bool = False) -> Scan:
     """Every ``overlay-*.json`` in ``directory`` (written at or after ``since``, if given); with
-    ``server``, only the reports carrying that server id count, the others are ``foreign``."""
+    ``server``, only the reports carrying that server id count, the others are ``foreign``; with
+    ``live``, reports of processes gone from this host are left out (``gone``)."""
     if not os.path.isdir(directory):
         raise OverlayError(f"report DIR {directory!r}: not a directory")
     out = Scan()
-    for path in sorted(glob.glob(report_files.all_glob(directory))):
-        try:
-            with open(path) as f:
-                rep = json.load(f)
-        except OSError:
-            continue  # removed since the listing
-        except ValueError as exc:
-            out.skipped[path] = f"not JSON: {exc}"
-            continue
-        why = problem(rep)
+    for path, _ in sorted(report_files.entries(directory)):
+        rep, why = load_file(path)
         if why is not None:
             out.skipped[path] = why
+            continue
+        if rep is None:
             continue
         if since is not None and rep.get("written", 0) < since:
             continue
         rep["_path"] = path
+        if live and process_gone(rep):
+            out.gone.append(path)
+            continue
         if server is not None and rep.get("server_id") != server:
             out.foreign.append(rep)
         else:
@@ -114,27 +137,72 @@ def load(directory: str, since: float | None = None) -> list[dict[str, Any]]:
 _SHAPES: dict[str, type | tuple[type, ...]] = {
     "counters": dict, "buffers": list, "patches": dict, "engine_config": dict, "telemetry": dict,
     "counts": dict, "events": list, "runner": dict, "budgets": list, "written": (int, float),
-    "server_id": (str, type(None)), "role": str, "tp_rank": (int, type(None)), "ranks": dict,
+    "server_id": (str, type(None)), "server_tree": (str, type(None)), "role": str, "tp_rank": (int, type(None)), "ranks": dict,
 }
 
 
-def gone_before(rep: dict[str, Any], started: float | None) -> bool:
-    """Whether ``rep`` is an earlier server's: written on this host before ``started`` (the reading
-    process's start) by a process that no longer runs here. Restarts under one hand-set server id
-    share its file names' key, so such files sit beside the current ones until pruned; they are not
-    counted. A report gathered from a rank (``_via``), one from another host, or one whose process
-    runs (or cannot be checked) is kept."""
-    if started is None or rep.get("_via") or rep.get("host") != socket.gethostname():
-        return False
-    if float(rep.get("written") or 0) >= started:
+def process_gone(rep: dict[str, Any]) -> bool:
+    """Whether the process that wrote ``rep`` is gone: the report is of this host and its pid runs
+    no process here, a zombie, or a process started after the report's (the pid was reused).
+    Whenever the report was written: a dead process's file (a crash, an earlier boot under one
+    hand-set server id, a file planted there) says nothing about the server now. A report gathered
+    from a rank (``_via``), one from another host, or one whose process cannot be checked is kept."""
+    if rep.get("_via") or rep.get("host") != socket.gethostname():
         return False
     try:
-        os.kill(int(rep["pid"]), 0)
-    except ProcessLookupError:
-        return True
-    except (OSError, ValueError, KeyError, TypeError):
+        import psutil
+
+        proc = psutil.Process(int(rep["pid"]))
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return True
+        created = proc.create_time()
+    except (KeyError, TypeError, ValueError):
         return False
-    return False
+    except Exception as exc:  # noqa: BLE001 - psutil.NoSuchProcess, or psutil itself missing
+        return type(exc).__name__ == "NoSuchProcess"
+    started = rep.get("started")
+    # the report's process recorded its start after it was created; a process created later is another
+    return isinstance(started, (int, float)) and created > float(started) + 1.0
+
+
+def servers(reports: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """The reports by server tree (``server_tree``: the process tree of one server; the reports of
+    older releases carry none and are left out). More than one tree under one server id: two live
+    servers share a hand-set VLLM_OVERLAY_SERVER_ID."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for rep in reports:
+        tree = rep.get("server_tree")
+        if isinstance(tree, str) and tree:
+            out.setdefault(tree, []).append(rep)
+    return out
+
+
+def scan_server(directory: str, sid: str, own_tree: str | None = None) -> dict[str, list[dict[str, Any]]]:
+    """The live servers (``servers``) whose reports in ``directory`` carry ``sid``: only that id's files
+    are read; this process's own tree (``own_tree``), where given, is one of them."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for path, _ in report_files.entries(directory, server_id.file_key(sid)):
+        rep, _why = load_file(path)
+        if rep is not None and rep.get("server_id") == sid and not process_gone(rep):
+            for tree, reps in servers([rep]).items():
+                out.setdefault(tree, []).extend(reps)
+    if own_tree:
+        out.setdefault(own_tree, [{"role": "this process", "pid": os.getpid()}])
+    return out
+
+
+def shared_line(sid: str | None, trees: dict[str, list[dict[str, Any]]]) -> str | None:
+    """One line naming the live servers that share ``sid``, or None when there are not several."""
+    if len(trees) < 2:
+        return None
+    def procs(reps: list[dict[str, Any]]) -> str:
+        named = sorted(f"{r.get('role')} pid {r.get('pid')}" for r in reps)
+        return ", ".join(named[:4]) + (f" and {len(named) - 4} more" if len(named) > 4 else "")
+
+    shown = "; ".join(f"{tree.rsplit(':', 1)[0]} ({procs(reps)})" for tree, reps in sorted(trees.items()))
+    return (f"VLLM_OVERLAY_SERVER_ID={sid} is used by {len(trees)} live servers (their main process host:pid "
+            f"and processes: {shown}): their reports, /metrics series and stress verdicts mix; give each "
+            "server its own VLLM_OVERLAY_SERVER_ID (or leave it unset: each server then makes its own)")
 
 
 def problem(rep: Any) -> str | None:

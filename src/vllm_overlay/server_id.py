@@ -11,6 +11,11 @@ that had loaded vLLM's plugins itself) that inherits such an id from another pro
 so two servers started by one launcher never share an id. An id set by hand is always kept.
 A Ray worker process (vLLM's Ray executors start the workers as Ray actors and pass them the
 driver's environment) is not a program's main process: it keeps the id it is given.
+
+The server tree (VLLM_OVERLAY_SERVER_TREE, ``HOST:PID:RANDOM``) names one server's process tree
+whatever its id: a program's main process always makes its own, the processes it starts inherit
+it. Live reports of one server id with two trees are two servers sharing a hand-set id
+(``reports.servers``), said on /metrics and refused by `vllm-overlay stress`.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import time
 from vllm_overlay import settings
 
 NAME = "VLLM_OVERLAY_SERVER_ID"
+TREE = "VLLM_OVERLAY_SERVER_TREE"
 _AUTO = re.compile(r"^[A-Za-z0-9.-]+:(\d+):\d+(:[0-9a-f]{8})?$")
 
 
@@ -67,6 +73,25 @@ def ensure() -> str:
     new = make()
     os.environ[NAME] = new
     return new
+
+
+def ensure_tree() -> str:
+    """This process's server tree: inherited from the process that started it, made anew in a
+    program's main process (unless it made the one it has)."""
+    have = settings.value(TREE)
+    if have:
+        m = _AUTO.match(have)
+        main = multiprocessing.parent_process() is None and not in_ray_worker()
+        if not main or (m is not None and int(m.group(1)) == os.getpid()):
+            return str(have)
+    new = make()
+    os.environ[TREE] = new
+    return new
+
+
+def is_auto(sid: str | None) -> bool:
+    """Whether ``sid`` is an id the overlay made (not one set by hand)."""
+    return bool(sid) and _AUTO.match(str(sid)) is not None
 
 
 def file_key(sid: str | None) -> str:

@@ -4,17 +4,19 @@ Each setting has a name, a parser, a default, the accepted range in words, a hel
 its legacy aliases. Values are read from the environment on every call (no cache), so tests
 and the CLI see exactly what a vLLM process would see. A bad value raises ``SettingError``
 naming the variable, the value and what is accepted; an alias set to a value different from
-its primary's is an error naming both.
+its primary's is an error naming both. A setting that names a file or folder has a ``check``
+too (that it is what the variable needs: a directory, a readable table), run by
+``startup_problems`` (start-up and `vllm-overlay doctor`), not on every read.
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_overlay import report_files
 from vllm_overlay.errors import SettingError
 
 TOKEN_MAX = 1_048_576
@@ -29,6 +31,8 @@ class Setting:
     help: str
     aliases: tuple[str, ...] = ()
     test_only: bool = False
+    # the file-system check of a value that names a path: why it cannot serve, or None
+    check: Callable[[Any, bool], str | None] | None = None  # (value, is the default)
 
 
 @dataclass(frozen=True)
@@ -48,7 +52,8 @@ class Resolved:
 def _int_range(lo: int, hi: int | None) -> Callable[[str], int]:
     def parse(raw: str) -> int:
         text = raw.strip()
-        if not text.isascii() or not text.lstrip("-").isdigit():  # "４０９６" is digits to str.isdigit
+        digits = text[1:] if text.startswith("-") and lo < 0 else text  # no sign where none is accepted ("-0")
+        if not text.isascii() or not digits.isdigit():  # "４０９６" is digits to str.isdigit
             raise ValueError
         value = int(text)
         if value < lo or (hi is not None and value > hi):
@@ -81,16 +86,55 @@ def _id_list(raw: str) -> tuple[str, ...]:
 
 
 def _path(raw: str) -> str:
-    if not raw.strip():
+    if not raw.strip() or "\0" in raw:
         raise ValueError
-    return os.path.abspath(os.path.expanduser(raw.strip()))
+    path = os.path.abspath(os.path.expanduser(raw.strip()))
+    if len(path) > report_files.PATH_MAX or any(len(part) > report_files.NAME_MAX for part in path.split(os.sep)):
+        raise ValueError
+    return path
+
+
+PATH_ACCEPTED = (f"an absolute or relative path of at most {report_files.PATH_MAX} characters, "
+                 f"{report_files.NAME_MAX} per name")
 
 
 def _server_id(raw: str) -> str:
     text = raw.strip()
-    if not text or len(text) > 128 or not all(c.isalnum() or c in "._:-" for c in text):
+    if not text or len(text) > 128 or not all(c.isascii() and (c.isalnum() or c in "._:-") for c in text):
         raise ValueError
     return text
+
+
+def _report_dir_check(path: str, default: bool) -> str | None:
+    return report_files.dir_problem(path, default)
+
+
+def _folder_check(path: str, default: bool) -> str | None:
+    if default and not os.path.lexists(path):
+        return None  # the default folder may not exist yet: nothing is read from it then
+    if not os.path.isdir(path):
+        return "does not exist" if not os.path.lexists(path) else "is not a folder"
+    return None
+
+
+def _gemv_table_check(path: str, default: bool) -> str | None:
+    if not os.path.isfile(path):
+        return "does not exist" if not os.path.lexists(path) else "is not a regular file"
+    if os.path.getsize(path) > report_files.MAX_REPORT_BYTES:
+        return f"is larger than {report_files.MAX_REPORT_BYTES} bytes: not a table of tile configs"
+    try:
+        from vllm_overlay.patches.decode_gemv import load_table
+
+        table = load_table(path, "VLLM_OVERLAY_DECODE_GEMV_CONFIGS")
+    except ValueError as exc:
+        return f"is not a usable table: {str(exc).split(': ', 1)[-1]}"
+    except ImportError:  # the kernel module needs torch and triton: without them decode-gemv never runs
+        return None
+    empty = [name for name, shapes in table.items() if not name.strip() or not shapes]
+    if not table or empty:
+        return ("names no device" if not table
+                else f"is not a usable table: device {empty[0]!r} has an empty name or no shape")
+    return None
 
 
 REQUIRE_LEVELS = ("source-checked", "cpu-proven", "gpu-proven")  # vllm_overlay.levels.LEVELS, weakest first
@@ -104,7 +148,7 @@ def _level(raw: str) -> str:
 
 
 def default_report_dir() -> str:
-    return os.path.join(tempfile.gettempdir(), "vllm-overlay-reports")
+    return report_files.default_dir()
 
 
 def default_moe_config_dir(environ: Mapping[str, str] | None = None) -> str:
@@ -147,10 +191,14 @@ SETTINGS: tuple[Setting, ...] = (
         "to be judged by the runner you build. `vllm-overlay plan` shows the levels.",
     ),
     Setting(
-        "VLLM_OVERLAY_REPORT_DIR", _path, None, "a directory path (created if missing)",
+        "VLLM_OVERLAY_REPORT_DIR", _path, None,
+        f"a directory, or a path to create one at ({PATH_ACCEPTED})",
         "Where each process writes its JSON report, overlay-KEY-PID-INSTANCE.json (KEY: a hash of "
-        "the server id). Default: vllm-overlay-reports under the system temp dir (printed in the "
-        "log). Report files not written for 24 h are removed when an overlay process starts there.",
+        "the server id). Default: vllm-overlay-reports-UID under the system temp dir, created "
+        "owner-only (mode 0700) and refused when it is a symbolic link, not owned by this user or "
+        "writable by others (docs/security.md). Report files not written for 24 h are removed when an "
+        "overlay process starts there.",
+        check=_report_dir_check,
     ),
     Setting(
         "VLLM_OVERLAY_SERVER_ID", _server_id, None,
@@ -161,6 +209,13 @@ SETTINGS: tuple[Setting, ...] = (
         "reports carrying the server's id. An id the overlay made in another program (a launcher "
         "that loaded vLLM's plugins) is replaced in a server's main process. Set it yourself only "
         "to give a server a stable name.",
+    ),
+    Setting(
+        "VLLM_OVERLAY_SERVER_TREE", _server_id, None, "set by the overlay (the same characters as VLLM_OVERLAY_SERVER_ID)",
+        "Set by the overlay, never by hand: which server's process tree a process belongs to (a program's main "
+        "process makes its own, the processes it starts inherit it). Two live servers with one "
+        "VLLM_OVERLAY_SERVER_ID have two trees: /metrics says so (vllm_overlay_server_id_servers) and "
+        "`vllm-overlay stress` refuses to judge.",
     ),
     Setting(
         "VLLM_OVERLAY_PREALLOC_TOKEN_BUDGET", _int_range(1, TOKEN_MAX), None,
@@ -224,10 +279,11 @@ SETTINGS: tuple[Setting, ...] = (
         "full-attention layers (a loud line says so).",
     ),
     Setting(
-        "VLLM_OVERLAY_MOE_CONFIG_DIR", _path, None, "a directory path",
+        "VLLM_OVERLAY_MOE_CONFIG_DIR", _path, None, "an existing folder",
         "moe-configs: the folder of fused-MoE configs tuned on this machine (`vllm-overlay tune-moe` "
         "writes there; the patch reads there when vLLM ships no config for the exact device). Default: "
         "vllm-overlay/moe-configs under $XDG_CACHE_HOME (or ~/.cache).",
+        check=_folder_check,
     ),
     Setting(
         "VLLM_OVERLAY_DECODE_GEMV", _auto_bool, "auto", "auto, 1 or 0 (also true/false, yes/no, on/off)",
@@ -239,11 +295,13 @@ SETTINGS: tuple[Setting, ...] = (
         "Outputs can differ from stock by a bf16 rounding step (bench/decode_gemv_ab.sh compares them).",
     ),
     Setting(
-        "VLLM_OVERLAY_DECODE_GEMV_CONFIGS", _path, None, "a path to a JSON file",
+        "VLLM_OVERLAY_DECODE_GEMV_CONFIGS", _path, None,
+        "a JSON file of tile configs (the format in the meaning column)",
         "decode-gemv: kernel tile sizes per device and weight shape, "
         '{"devices": {DEVICE NAME: {"NxK": [BLOCK_N, BLOCK_K, num_warps, num_stages]}}} as '
         "bench/decode_gemv_h200.py writes it; used before the table that ships with the package. "
         "Shapes in neither get a heuristic config.",
+        check=_gemv_table_check,
     ),
     Setting(
         "VLLM_OVERLAY_TEST_BUFFER_ROWS", _int_range(1, TOKEN_MAX), None,
@@ -267,7 +325,12 @@ def _parse(setting: Setting, name: str, raw: str) -> Any:
     try:
         return setting.parse(raw)
     except ValueError:
-        raise SettingError(f"{name}={raw!r}: expected {setting.accepted}") from None
+        raise SettingError(f"{name}={shown(raw)}: expected {setting.accepted}") from None
+
+
+def shown(raw: str) -> str:
+    """A value as an error names it: quoted, cut after 120 characters (saying how long it is)."""
+    return repr(raw) if len(raw) <= 120 else f"{raw[:120]!r}... ({len(raw)} characters)"
 
 
 def resolve(name: str, environ: Mapping[str, str] | None = None) -> Resolved:
@@ -320,17 +383,54 @@ def _did_you_mean(key: str, names: list[str]) -> str:
     return f"; did you mean {close[0]}?" if close else ""
 
 
-def startup_problems(environ: Mapping[str, str] | None = None) -> list[str]:
-    """Every error register() stops start-up with, in order: bad values, unknown VLLM_OVERLAY*
-    names, and near misses of the legacy aliases (GENESIS_*, e.g. GENESIS_PROFILE_RUN_CAP for
-    GENESIS_PROFILE_RUN_CAP_M), each with a "did you mean" where a known name is close."""
+def check(res: Resolved) -> str | None:
+    """The file-system check of a resolved setting: one line naming the variable, the value, why
+    it cannot serve and what is accepted; None when it can (or has no check)."""
+    st = res.setting
+    if st.check is None or res.value is None:
+        return None
+    why = st.check(res.value, not res.is_set)
+    if why is None:
+        return None
+    if res.is_set:
+        return f"{res.source.split()[-1]}={shown(res.raw or '')}: {res.value} {why}; expected {st.accepted}"
+    return f"{st.name} unset: its default {res.value} {why}: refused; set {st.name} to a directory of your own"
+
+
+def off(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether VLLM_OVERLAY turns the overlay off (0); a bad value of it is not off."""
+    try:
+        return not value("VLLM_OVERLAY", environ)
+    except SettingError:
+        return False
+
+
+def ignored_when_off(environ: Mapping[str, str] | None = None) -> list[str]:
+    """The other vllm-overlay variables set while VLLM_OVERLAY=0 (not checked, not used)."""
     env = os.environ if environ is None else environ
+    known = {n for s in SETTINGS for n in (s.name, *s.aliases)}
+    return sorted(k for k in env if k != "VLLM_OVERLAY" and env[k] != ""
+                  and (k.startswith("VLLM_OVERLAY") or k in known))
+
+
+def startup_problems(environ: Mapping[str, str] | None = None) -> list[str]:
+    """Every error register() stops start-up with, in order: bad values (the files and folders
+    they name included), unknown VLLM_OVERLAY* names, and near misses of the legacy aliases
+    (GENESIS_*, e.g. GENESIS_PROFILE_RUN_CAP for GENESIS_PROFILE_RUN_CAP_M), each with a "did you
+    mean" where a known name is close. None with VLLM_OVERLAY=0: the overlay is off, its other
+    settings are not judged (``ignored_when_off`` names them)."""
+    env = os.environ if environ is None else environ
+    if off(env):
+        return []
     out: list[str] = []
     for setting in SETTINGS:
         try:
-            resolve(setting.name, env)
+            res = resolve(setting.name, env)
         except SettingError as exc:
             out.append(str(exc))
+            continue
+        if (why := check(res)) is not None:
+            out.append(why)
     primaries = [s.name for s in SETTINGS]
     aliases = [a for s in SETTINGS for a in s.aliases]
     known = set(primaries) | set(aliases)

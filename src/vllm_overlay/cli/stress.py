@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 
 from vllm_overlay.stress.plan import UsageError
 
@@ -82,7 +83,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                        description="Exit codes: 0 passed, 1 failed (a request or the engine failed), "
                                    "2 bad usage (before any traffic), 3 did not test (band not reached), "
                                    "4 unreachable (server mode: nothing answers at --url, it is not a vLLM "
-                                   "server, or it stopped answering).")
+                                   "server, it does not answer completely within 60 s before traffic, or it "
+                                   "stopped answering or went away during the run).")
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--model", metavar="DIR", help="offline: boot an in-process engine on this model")
     target.add_argument("--url", metavar="URL", help="server: a running `vllm serve` with the overlay")
@@ -106,6 +108,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                         "files, or its /metrics (no shared directory needed; the band's edges must be "
                         "bucket edges). auto: the reports with --report-dir, else /metrics when it has "
                         "vllm_overlay_ series, else this shell's VLLM_OVERLAY_REPORT_DIR")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="server mode: the API key the server was started with (vLLM's --api-key); default: "
+                        "VLLM_API_KEY, as vLLM reads it. It is sent, never written to stress.json")
     p.add_argument("--seed", type=int, default=0)
     add_engine_args(p)
     p.set_defaults(func=run)
@@ -119,6 +124,7 @@ def options(args: argparse.Namespace):  # type: ignore[no-untyped-def]
                    duration=args.duration, out=args.out, report_dir=args.report_dir, seed=args.seed,
                    server_id=args.server_id,
                    telemetry=args.telemetry,
+                   api_key=args.api_key or os.environ.get("VLLM_API_KEY") or None,
                    engine_args=engine_args(args))
 
 

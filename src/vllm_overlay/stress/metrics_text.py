@@ -4,7 +4,6 @@ histogram's buckets, the processes, patches and counters, the live limits)."""
 
 from __future__ import annotations
 
-import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +19,7 @@ class Scrape:
     engine_config: dict[str, Any] = field(default_factory=dict)
     buffer_rows: list[int] = field(default_factory=list)
     found: bool = False  # any vllm_overlay_ series at all
+    servers: int = 1  # live servers reporting this server id (vllm_overlay_server_id_servers)
 
     def band(self, lo: int, hi: int) -> int:
         """Forwards in (lo, hi] since the server started; both must be bucket edges (or lo 0)."""
@@ -62,6 +62,8 @@ def parse(text: str) -> Scrape:
                 _proc(out, labels)["patches"][labels["patch"]] = {"status": labels["status"]}
             elif s.name == PREFIX + "gdn_buffer_rows":
                 out.buffer_rows.append(int(s.value))
+            elif s.name == PREFIX + "server_id_servers":
+                out.servers = int(s.value)
             elif s.name == PREFIX + "engine_config_info":
                 out.engine_config = {k: (int(v) if v.isdigit() else v) for k, v in labels.items()}
     return out
@@ -73,6 +75,8 @@ def _proc(out: Scrape, labels: dict[str, str]) -> dict[str, Any]:
         "patches": {}, "counters": {}, "_path": "/metrics"})
 
 
-def scrape(base: str, timeout: float = 30) -> Scrape:
-    with urllib.request.urlopen(f"{base}/metrics", timeout=timeout) as resp:
-        return parse(resp.read().decode())
+def scrape(base: str, timeout: float = 30, api_key: str | None = None) -> Scrape:
+    """GET /metrics, parsed; the whole answer within ``timeout`` s (stress/http.py)."""
+    from vllm_overlay.stress import http
+
+    return parse(http.get(f"{base}/metrics", api_key, timeout).decode())

@@ -13,12 +13,12 @@ from vllm_overlay import settings
 from vllm_overlay.budget import BUDGET_SETTINGS
 from vllm_overlay.output import Out
 from vllm_overlay.progress import Ticker
-from vllm_overlay.reports import Scan, scan
+from vllm_overlay.reports import Scan, scan, shared_line
 from vllm_overlay.stress import metrics_text
 from vllm_overlay.stress import plan as planmod
 from vllm_overlay.stress.plot import forward_sizes_png
 from vllm_overlay.stress.target import ServerError
-from vllm_overlay.stress.verdict import BAD_USAGE, NAMES, SLOW_FACTOR, UNREACHABLE, Outcome, judge, sizes_delta
+from vllm_overlay.stress.verdict import BAD_USAGE, DID_NOT_TEST, NAMES, SLOW_FACTOR, UNREACHABLE, Outcome, judge, sizes_delta
 from vllm_overlay.telemetry import in_band, merge_sizes
 
 
@@ -35,6 +35,7 @@ class Options:
     report_dir: str | None = None  # server mode: the server's VLLM_OVERLAY_REPORT_DIR
     server_id: str | None = None  # server mode: the server's VLLM_OVERLAY_SERVER_ID (else from /metrics)
     telemetry: str = "auto"  # server mode: "reports", "metrics" (the server's /metrics) or "auto"
+    api_key: str | None = None  # server mode: the server's --api-key (never written to stress.json)
     seed: int = 0
     engine_args: dict[str, Any] = field(default_factory=dict)
 
@@ -147,12 +148,15 @@ def _execute(opts: Options, out: Out) -> dict[str, Any]:
         from vllm_overlay.stress import target as targetmod
 
         base = server.check_url(opts.url or "", opts.allow_remote)
-        tgt = targetmod.probe(base)
+        preflight_end = time.monotonic() + targetmod.PREFLIGHT_S
+        tgt = targetmod.probe(base, opts.api_key, preflight_end)
         first = _metrics_first(opts, tgt)
         sid = _server_id(opts, tgt)
         if first is not None:
             report_dir = f"{base}/metrics"
             live = dict(first.engine_config)
+            if first.servers > 1:
+                raise planmod.UsageError(_shared_refusal(sid, f"{base}/metrics counts {first.servers} live servers"))
         else:
             report_dir = opts.report_dir or settings.value("VLLM_OVERLAY_REPORT_DIR")
             if sid is None:
@@ -160,7 +164,9 @@ def _execute(opts: Options, out: Out) -> dict[str, Any]:
                     f"cannot tie the reports in {report_dir} to the server at {base}: its /metrics names no "
                     "server id (no vllm_overlay_ series); pass --server-id ID (the server's "
                     "VLLM_OVERLAY_SERVER_ID, written in each of its reports)")
-            found = scan(report_dir, server=sid) if os.path.isdir(report_dir) else Scan()
+            found = scan(report_dir, server=sid, live=True) if os.path.isdir(report_dir) else Scan()
+            if (line := shared_line(sid, found.servers())) is not None:
+                raise planmod.UsageError(_shared_refusal(sid, line))
             not_counted = _name_not_counted(out, report_dir, sid, found)
             live = {}
             for rep in sorted(found.reports, key=lambda r: r.get("written", 0)):
@@ -194,7 +200,7 @@ def _execute(opts: Options, out: Out) -> dict[str, Any]:
         boot_s = time.perf_counter() - t0
         before: dict[int, int] = {}
     elif first is None:
-        before = merge_sizes(scan(report_dir, server=sid).reports) if os.path.isdir(report_dir) else {}
+        before = merge_sizes(scan(report_dir, server=sid, live=True).reports) if os.path.isdir(report_dir) else {}
 
     out.line("one warm-up wave first (kernels compile on first use); the clock starts after it")
 
@@ -207,7 +213,7 @@ def _execute(opts: Options, out: Out) -> dict[str, Any]:
             if first is not None:
                 time.sleep(2.5)  # the workers' reports flush within a second; /metrics reads them
                 try:
-                    first = metrics_text.scrape(base, timeout=10)
+                    first = metrics_text.scrape(base, timeout=10, api_key=opts.api_key)
                 except (OSError, ValueError) as exc:  # the server died after the warm-up: the waves fail
                     tick.note(f"cannot read {base}/metrics after the warm-up: {exc}")
             else:
@@ -225,17 +231,19 @@ def _execute(opts: Options, out: Out) -> dict[str, Any]:
                 # band forwards since the warm-up, read as the verdict will read them
                 try:
                     if first is not None:
-                        return metrics_text.scrape(base, timeout=10).band(lo, hi) - first.band(lo, hi)
+                        return (metrics_text.scrape(base, timeout=10, api_key=opts.api_key).band(lo, hi)
+                                - first.band(lo, hi))
                 except (OSError, ValueError, KeyError) as exc:  # no top-up; the verdict says why
                     tick.note(f"cannot read {base}/metrics for the band count: {exc}")
                     return opts.min_band_forwards
-                now = merge_sizes(scan(report_dir, since, sid).reports if os.path.isdir(report_dir) else [])
+                now = merge_sizes(scan(report_dir, since, sid, live=True).reports if os.path.isdir(report_dir) else [])
                 return in_band(sizes_delta(before, now), lo, hi)
 
             # --requests fixes the traffic; otherwise waves are added until the band is reached
             topup = None if opts.requests is not None else server.TopUp(band_count, opts.min_band_forwards, tick.note)
             outcome = server.run(base, plan, opts.duration, opts.seed, tick,
-                                 alive=lambda: server.health_error(base), after_warmup=after_warmup, topup=topup)
+                                 alive=lambda: server.health_error(base, opts.api_key), after_warmup=after_warmup,
+                                 topup=topup, api_key=opts.api_key, preflight_end=preflight_end)
     if first is None:
         final = _read_scan(report_dir, since if not opts.model else None, sid)
         reports = final.reports
@@ -247,9 +255,13 @@ def _execute(opts: Options, out: Out) -> dict[str, Any]:
         sizes = sizes_delta(before, merge_sizes(reports))
         budgets = [b["rows"] for r in reports for b in r.get("buffers", [])]
         result = judge(lo, hi, opts.min_band_forwards, sizes, outcome, reports)
+        if sid is not None and (line := shared_line(sid, final.servers())) is not None:
+            _not_judged(result, _shared_refusal(sid, line))
     else:
-        reports, sizes, budgets, max_forward, exact = _read_metrics(base, first)
+        reports, sizes, budgets, max_forward, exact, servers_n = _read_metrics(base, first, opts.api_key)
         result = judge(lo, hi, opts.min_band_forwards, sizes, outcome, reports)
+        if servers_n > 1:
+            _not_judged(result, _shared_refusal(sid, f"{base}/metrics counted {servers_n} live servers after the run"))
         # /metrics has buckets, not sizes: `sizes` maps each bucket's upper edge to its forwards.
         # The band count is exact (the band's edges are bucket edges, checked before traffic);
         # the largest forward is exact when it grew during this run, else an upper bound (the
@@ -289,6 +301,17 @@ def _execute(opts: Options, out: Out) -> dict[str, Any]:
         out.line(f"first error: {outcome.errors[0]}")
     out.line(f"wrote {result['json']} and {result['png']}")
     return result
+
+
+def _shared_refusal(sid: str | None, line: str) -> str:
+    return (f"the server id {sid} is shared by several live servers ({line}): their forwards cannot be told "
+            "apart, so this run is not judged; give each server its own VLLM_OVERLAY_SERVER_ID")
+
+
+def _not_judged(result: dict[str, Any], why: str) -> None:
+    """A verdict that cannot stand (another server's forwards are in its counts): DID NOT TEST."""
+    if result["exit_code"] in (0, DID_NOT_TEST):
+        result.update(exit_code=DID_NOT_TEST, verdict=NAMES[DID_NOT_TEST], why=why)
 
 
 def _server_id(opts: Options, tgt: Any) -> str | None:
@@ -349,28 +372,30 @@ def _check_band_edges(lo: int, hi: int, scrape: metrics_text.Scrape) -> None:
             f"{', '.join(map(str, sorted(near)))} (or pass --report-dir DIR for exact sizes)")
 
 
-def _read_metrics(base: str, before: metrics_text.Scrape
-                  ) -> tuple[list[dict[str, Any]], dict[int, int], list[int], int | None, bool]:
+def _read_metrics(base: str, before: metrics_text.Scrape, api_key: str | None
+                  ) -> tuple[list[dict[str, Any]], dict[int, int], list[int], int | None, bool, int]:
     """(process records, forwards per bucket edge, GDN buffer rows, the largest forward of this
-    run, whether that is exact)."""
+    run, whether that is exact, the live servers /metrics counts under this server id)."""
     time.sleep(2.5)  # the serving processes flush their reports every second
     try:
-        after = metrics_text.scrape(base, timeout=10)
+        after = metrics_text.scrape(base, timeout=10, api_key=api_key)
     except (OSError, ValueError):
-        return [], {}, [], None, False  # the server is gone: the outcome already says why
+        return [], {}, [], None, False, 1  # the server is gone: the outcome already says why
     procs = []
     for pid, proc in after.processes.items():
         procs.append({**proc, "_path": f"{base}/metrics (pid {pid})"})
     sizes = after.sizes_since(before)
     if after.max_forward > before.max_forward:
-        return procs, sizes, after.buffer_rows, after.max_forward, True
-    return procs, sizes, after.buffer_rows, min(max(sizes), after.max_forward) if sizes else None, False
+        return procs, sizes, after.buffer_rows, after.max_forward, True, after.servers
+    return (procs, sizes, after.buffer_rows, min(max(sizes), after.max_forward) if sizes else None, False,
+            after.servers)
 
 
 def _read_scan(report_dir: str, since: float | None, server: str | None) -> Scan:
     # the serving processes flush every second and at exit; give them two flush periods
     time.sleep(2.5)
-    return scan(report_dir, since, server) if os.path.isdir(report_dir) else Scan()
+    # server mode (a server id): the reports of processes gone from this host are not counted
+    return scan(report_dir, since, server, live=server is not None) if os.path.isdir(report_dir) else Scan()
 
 
 def _read_reports(report_dir: str, since: float | None, server: str | None) -> list[dict[str, Any]]:

@@ -12,8 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_overlay.stress import http
 from vllm_overlay.stress.plan import Plan, UsageError
-from vllm_overlay.stress.target import ServerError
+from vllm_overlay.stress.target import PREFLIGHT_S, ServerError
 from vllm_overlay.stress.traffic import prompt
 from vllm_overlay.stress.verdict import Outcome
 
@@ -38,8 +39,11 @@ def check_url(url: str, allow_remote: bool) -> str:
     return url.rstrip("/")
 
 
-async def _model_and_vocab(session: Any, base: str) -> tuple[str, int]:
-    async with session.get(f"{base}/v1/models") as resp:
+async def _model_and_vocab(session: Any, base: str, limit_s: float) -> tuple[str, int]:
+    import aiohttp
+
+    async with session.get(f"{base}/v1/models", timeout=aiohttp.ClientTimeout(total=max(0.1, limit_s))) as resp:
+        resp.raise_for_status()
         data = await resp.json()
     model = data["data"][0]["id"]
     return model, 4096
@@ -110,7 +114,7 @@ async def _run(base: str, plan: Plan, duration_s: float | None, seed: int,
                progress: Callable[[int, int], None], out: Outcome,
                alive: Callable[[], str | None] | None,
                after_warmup: Callable[[], None] | None,
-               topup: TopUp | None) -> None:
+               topup: TopUp | None, api_key: str | None, preflight_end: float | None) -> None:
     import aiohttp
 
     rng = random.Random(seed)
@@ -119,9 +123,10 @@ async def _run(base: str, plan: Plan, duration_s: float | None, seed: int,
     ok: list[bool] = []
     stop = asyncio.Event()
     timeout = aiohttp.ClientTimeout(total=None, sock_read=300)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    async with aiohttp.ClientSession(timeout=timeout, headers=http.headers(api_key)) as session:
         try:
-            model, vocab = await _model_and_vocab(session, base)
+            left = (preflight_end - time.monotonic()) if preflight_end is not None else PREFLIGHT_S
+            model, vocab = await _model_and_vocab(session, base, left)
         except (aiohttp.ClientError, OSError, ValueError, KeyError, IndexError, asyncio.TimeoutError) as exc:
             raise ServerError(f"{base} stopped answering GET /v1/models: {type(exc).__name__}: {exc}") from None
 
@@ -168,6 +173,8 @@ async def _run(base: str, plan: Plan, duration_s: float | None, seed: int,
                 return False
             if alive is not None and (err := alive()):
                 out.engine_error = err
+                if err.startswith(DOWN):
+                    out.unreachable = err
                 return False
             return True
 
@@ -210,8 +217,10 @@ async def _run(base: str, plan: Plan, duration_s: float | None, seed: int,
             out.topup_waves += more
             total += more
         await _stop(stop, workers, 0.0 if out.stalled else GRACE_S)
-        if alive is not None and out.engine_error is None and (err := alive()):
-            out.engine_error = err
+        if alive is not None and out.unreachable is None and (err := alive()):
+            out.engine_error = out.engine_error or err
+            if err.startswith(DOWN):
+                out.unreachable = err
         out.requests_ok = sum(ok)
         out.requests_failed = len(ok) - sum(ok)
         out.ttft_s = [ttft[r] for r in wave_ids if r in ttft]
@@ -239,22 +248,31 @@ class TopUp:
 
 def run(base: str, plan: Plan, duration_s: float | None, seed: int,
         progress: Callable[[int, int], None], alive: Callable[[], str | None] | None = None,
-        after_warmup: Callable[[], None] | None = None, topup: TopUp | None = None) -> Outcome:
+        after_warmup: Callable[[], None] | None = None, topup: TopUp | None = None,
+        api_key: str | None = None, preflight_end: float | None = None) -> Outcome:
     out = Outcome()
-    asyncio.run(_run(base, plan, duration_s, seed, progress, out, alive, after_warmup, topup))
+    asyncio.run(_run(base, plan, duration_s, seed, progress, out, alive, after_warmup, topup, api_key,
+                     preflight_end))
     out.wall_s = time.perf_counter() - out.clock_start if out.clock_start is not None else 0.0
     if out.errors and not out.engine_error and out.requests_failed:
         out.engine_error = out.errors[0]
     return out
 
 
-def health_error(base: str) -> str | None:
-    """None while the server answers /health with 200, else what went wrong."""
+DOWN = "server is down"  # health_error's words for a server that refuses connections or is gone
+
+
+def health_error(base: str, api_key: str | None = None) -> str | None:
+    """None while the server answers /health with 200, else what went wrong (starting with DOWN
+    when nothing answers)."""
     import urllib.error
-    import urllib.request
 
     try:
-        with urllib.request.urlopen(f"{base}/health", timeout=10) as resp:
-            return None if resp.status == 200 else f"server health check: HTTP {resp.status}"
-    except (urllib.error.URLError, OSError) as exc:
-        return f"server is down: {exc}"
+        http.get(f"{base}/health", api_key, 10)
+        return None
+    except urllib.error.HTTPError as exc:
+        return f"server health check: HTTP {exc.code}"
+    except http.Deadline as exc:
+        return f"server health check: {exc}"
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        return f"{DOWN}: {getattr(exc, 'reason', exc)}"

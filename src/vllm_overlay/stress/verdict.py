@@ -28,6 +28,7 @@ class Outcome:
     clock_start: float | None = None  # perf_counter() when the timed waves began
     topup_waves: int = 0  # server mode: waves added because too few forwards landed in the band
     stalled: str | None = None  # server mode: the server stopped answering (requests cancelled)
+    unreachable: str | None = None  # server mode: the server went away (its /health refuses connections)
 
 
 SLOW_FACTOR = 3.0  # a wave slower than this many times the median is named in the output
@@ -64,8 +65,8 @@ def judge(lo: int, hi: int, min_band: int, sizes: dict[int, int], outcome: Outco
     band = in_band(sizes, lo, hi)
     trips = sum(int(r.get("counters", {}).get("guard_trips", 0)) for r in reports)
     workers = [r for r in reports if r.get("patches", {}).get("forward-telemetry", {}).get("status") == "applied"]
-    if outcome.stalled:
-        code, why = UNREACHABLE, outcome.stalled
+    if outcome.stalled or outcome.unreachable:
+        code, why = UNREACHABLE, outcome.stalled or f"the server went away during the run: {outcome.unreachable}"
     elif outcome.engine_error or outcome.requests_failed:
         code, why = FAILED, outcome.engine_error or f"{outcome.requests_failed} request(s) failed"
     elif not workers:

@@ -53,6 +53,9 @@ def _spec() -> PatchSpec:
         default=True,
         retire_when="vLLM offers a hook for plugins to contribute to the compile-cache key.",
         settings=traced_settings(),  # what it reads: the traced patches' traced_settings
+        beyond_matrix="carry",
+        beyond_matrix_why=("it only folds the overlay's traced-code patches into vLLM's compile-cache key; where "
+                           "VllmConfig.compute_hash is gone its wrap fails at start-up, loudly"),
     )
 
 

@@ -87,6 +87,9 @@ SPEC = PatchSpec(
     settings=("VLLM_OVERLAY_DECODE_GEMV", "VLLM_OVERLAY_DECODE_GEMV_CONFIGS"),
     shown_by=("decode_gemv_calls",),
     idle_by=("decode_gemv_stood_aside",),
+    beyond_matrix="never",
+    beyond_matrix_why=("it replaces vLLM's GEMM for one-row forwards with the overlay's kernel, and by default acts "
+                       "only where a served A/B measured it; no release beyond the matrix was measured"),
 )
 
 _LOCK = threading.Lock()

@@ -61,6 +61,9 @@ SPEC = PatchSpec(
     retire_when="vLLM exports per-forward scheduled-token counts itself (a metric or a hook).",
     settings=("VLLM_OVERLAY_REPORT_DIR", "VLLM_OVERLAY_STRICT"),
     either_modules=(RUNNER_MODULES,),
+    beyond_matrix="carry",
+    beyond_matrix_why=("it only counts forwards in the overlay's report; a hook that no longer fits fails or goes "
+                       "unfired loudly, and nothing vLLM computes changes"),
 )
 
 

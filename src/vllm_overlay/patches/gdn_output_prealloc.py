@@ -213,6 +213,10 @@ SPEC = PatchSpec(
     # _dummy_run, Worker.execute_model: the buffer check runs before telemetry records the forward,
     # so a forward it refuses is never counted as run
     wraps_outside=("forward-telemetry",),
+    beyond_matrix="carry",
+    beyond_matrix_why=("its rewrite carries only onto a forward byte-identical to the newest release's (the pristine"
+                       " hash is checked), and the capacity guard outside compiled code refuses a buffer smaller "
+                       "than a forward"),
 )
 
 

@@ -175,6 +175,9 @@ SPEC = PatchSpec(
               "VLLM_OVERLAY_REPORT_DIR"),
     either_modules=(RUNNER_MODULES,),
     v2_releases=V2_RELEASES,
+    beyond_matrix="carry",
+    beyond_matrix_why=("it only takes memory from the KV cache, never adds any, so a misfit costs KV capacity (said "
+                       "in its report line), not memory safety; its proofs pin the profiling internals it measures"),
 )
 
 

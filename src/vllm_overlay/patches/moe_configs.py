@@ -62,6 +62,9 @@ SPEC = PatchSpec(
     retire_when="vLLM ships tuned configs for E=256,N=512 and N=256 (bf16, fp8) for the cards users serve on, "
                 "or users point VLLM_TUNED_CONFIG_FOLDER at their tuned folder themselves.",
     settings=("VLLM_OVERLAY_MOE_CONFIG_DIR",),
+    beyond_matrix="carry",
+    beyond_matrix_why=("a fused-MoE config only chooses tile sizes for vLLM's own kernel: a misfit costs speed, not "
+                       "correctness"),
 )
 
 

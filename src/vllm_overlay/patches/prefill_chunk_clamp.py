@@ -48,6 +48,9 @@ SPEC = PatchSpec(
     enabled_by="VLLM_OVERLAY_PREFILL_CHUNK_CLAMP",
     retire_when="Users pass --long-prefill-token-threshold themselves.",
     settings=("VLLM_OVERLAY_PREFILL_CHUNK_CLAMP",),
+    beyond_matrix="carry",
+    beyond_matrix_why=("it only sets vLLM's long_prefill_token_threshold, which bounds how a prefill is chunked, not"
+                       " what is computed"),
 )
 
 

@@ -148,6 +148,10 @@ SPEC = PatchSpec(
                  "(supports_spec_as_decode=True with a multi-query kernel); 0.33.0 does not yet."),
     shown_by=("tq_verify_as_decode_batches", "tq_exact_seq_lens_batches"),
     platforms=("cuda",),
+    beyond_matrix="carry",
+    beyond_matrix_why=("its proofs pin the TurboQuant backend's verify path, cache layout and store kernel that its "
+                       "wrapper relies on; where they hold it is the wrap proven on the newest release, and without "
+                       "it verify batches are silently wrong under full CUDA graphs"),
 )
 
 _FIRST = threading.Event()

@@ -93,6 +93,9 @@ SPEC = PatchSpec(
                 "KVQuantMode there)",
     shown_by=("tq_v1_kv_shape_fixed",),
     platforms=("cuda",),
+    beyond_matrix="never",
+    beyond_matrix_why=("it changes the dtype the V1 runner shapes TurboQuant KV caches with, and a wrong shape "
+                       "corrupts the KV cache; upstream-merged since 0.27.0 anyway"),
 )
 
 _SCOPE = threading.local()  # the configured cache dtype while V1's reshape runs in this thread

@@ -242,7 +242,12 @@ def request_logprobs(port: int, model: str, ids: list[int], max_tokens: int, top
     if resp.status != 200:
         rec["error"] = f"HTTP {resp.status}: {raw[:400].decode(errors='replace')}"
         return rec
-    choice = json.loads(raw)["choices"][0]
+    body_json = json.loads(raw)
+    choice = body_json["choices"][0]
+    # prompt tokens served from the prefix cache (vLLM reports them with --enable-prompt-tokens-details)
+    details = (body_json.get("usage") or {}).get("prompt_tokens_details") or {}
+    if details.get("cached_tokens") is not None:
+        rec["cached_tokens"] = int(details["cached_tokens"])
     rec["positions"] = parse_logprobs(choice)
     rec["token_ids"] = [p["token"] for p in rec["positions"]]
     return rec

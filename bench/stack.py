@@ -796,6 +796,91 @@ def cmd_logprobs(a: argparse.Namespace) -> int:
     return 1 if any(p.get("error") for p in res["prompts"]) else 0
 
 
+# ---- a TurboQuant prefill batch with cached context beside a fresh prompt -----------------------------
+
+
+def reset_prefix_cache(port: int) -> str | None:
+    """Empty the server's prefix cache (vLLM's dev endpoint, VLLM_SERVER_DEV_MODE=1); the error, or None."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    try:
+        conn.request("POST", "/reset_prefix_cache")
+        resp = conn.getresponse()
+        body = resp.read()[:200].decode(errors="replace")
+    except OSError as exc:
+        return f"POST /reset_prefix_cache: {exc}"
+    finally:
+        conn.close()
+    return None if resp.status == 200 else f"POST /reset_prefix_cache: HTTP {resp.status} {body}"
+
+
+def cmd_continuation(a: argparse.Namespace) -> int:
+    """Per trial, with the prefix cache emptied before each phase: a prefix alone (cached), then the pair sent
+    together: that prefix plus new tokens (a prefill that continues from cached context) and a fresh prompt at
+    least as long (so the batch's max_query_len equals its max_seq_len: TurboQuant's no-cache fast path unless
+    turboquant-prefill-continuation steps in); then each of the two alone after the same warm-up (the per-request
+    path: the reference). The pair's logprobs of each request against its own alone; the overlay's counters and
+    forward sizes during the pair show whether the two shared a step."""
+    st = load_state(a.label)
+    if wait(a.label, 1) != 0:
+        collect(a.label)
+        return 1
+    if a.fresh < a.prefix + a.cont:
+        sys.exit(f"stack: continuation --fresh {a.fresh}: expected at least --prefix + --cont ({a.prefix + a.cont}), "
+                 "so that the fresh prompt's length is the batch's longest sequence")
+    port, model = st["port"], served_model(st)
+    res: dict[str, Any] = {"kind": "continuation", "label": a.label, "vllm_args": st["vllm_args"], "top": a.top,
+                           "max_tokens": a.max_tokens, "prefix": a.prefix, "cont": a.cont, "fresh": a.fresh,
+                           "seed": a.seed, "trials": []}
+
+    def ask(ids: list[int], n: int = a.max_tokens) -> dict[str, Any]:
+        return sm.request_logprobs(port, model, ids, n, a.top)
+
+    def warm(prefix: list[int]) -> str | None:
+        err = reset_prefix_cache(port)
+        return err or ask(prefix, 1).get("error")
+
+    failed = False
+    for i in range(a.trials):
+        prefix = sm.prompt_ids(a.prefix, "continuation", a.seed, i, "prefix")
+        cont = prefix + sm.prompt_ids(a.cont, "continuation", a.seed, i, "cont")
+        fresh = sm.prompt_ids(a.fresh, "continuation", a.seed, i, "fresh")
+        trial: dict[str, Any] = {"trial": i, "errors": []}
+        err = warm(prefix)
+        before = overlay_totals(a.label)
+        gate = threading.Barrier(2)
+
+        def together(ids: list[int]) -> dict[str, Any]:
+            gate.wait()
+            return ask(ids)
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            pair = list(pool.map(together, [cont, fresh]))
+        trial["pair_overlay"] = overlay_since(a.label, before)
+        errs = [err, warm(prefix)]
+        alone_cont = ask(cont)
+        errs.append(reset_prefix_cache(port))
+        alone_fresh = ask(fresh)
+        trial["errors"] = [e for e in errs + [r.get("error") for r in (*pair, alone_cont, alone_fresh)] if e]
+        trial["cached_tokens"] = {"pair_cont": pair[0].get("cached_tokens"), "alone_cont": alone_cont.get("cached_tokens"),
+                                  "pair_fresh": pair[1].get("cached_tokens")}
+        trial["pair"], trial["alone"] = pair, [alone_cont, alone_fresh]
+        if not trial["errors"]:
+            trial["cont_vs_alone"] = sm.compare_logprobs({"prompts": [pair[0]]}, {"prompts": [alone_cont]}, a.top)
+            trial["fresh_vs_alone"] = sm.compare_logprobs({"prompts": [pair[1]]}, {"prompts": [alone_fresh]}, a.top)
+            say(f"{a.label}: continuation trial {i}: cached {trial['cached_tokens']}; continuing request, pair vs alone: "
+                f"{sm.describe_comparison(trial['cont_vs_alone'])}; fresh: "
+                f"{sm.describe_comparison(trial['fresh_vs_alone'])}; overlay during the pair: {trial['pair_overlay']}")
+        else:
+            failed = True
+            say(f"{a.label}: continuation trial {i}: ERROR {trial['errors'][0]}")
+        res["trials"].append(trial)
+    write_json(os.path.join(sdir(a.label), f"{a.out.removesuffix('.json')}.json"), res)
+    collect(a.label)
+    return 1 if failed else 0
+
+
 def read_logprobs(ref: str) -> dict[str, Any]:
     """A logprobs run from PATH (its JSON), DIR/NAME.json, or BUNDLE.json#NAME (a compact bundle's file)."""
     path, _, name = ref.partition("#")
@@ -899,6 +984,22 @@ def result_files(label: str) -> dict[str, Any]:
     return out
 
 
+def continuation_brief(data: dict[str, Any]) -> dict[str, Any]:
+    """A continuation run per trial: the continuing request's and the fresh one's pair-vs-alone comparison,
+    the cached tokens, and what the overlay counted during the pair."""
+    out = []
+    for t in data.get("trials") or []:
+        row: dict[str, Any] = {"trial": t.get("trial"), "errors": t.get("errors"), "cached_tokens": t.get("cached_tokens"),
+                               "pair_overlay": t.get("pair_overlay")}
+        for key in ("cont_vs_alone", "fresh_vs_alone"):
+            c = t.get(key)
+            if c:
+                row[key] = {"first_token": c["first_token"], "later_tokens": c["later_tokens"],
+                            "same_tokens": c["same_tokens"]}
+        out.append(row)
+    return {k: data.get(k) for k in ("prefix", "cont", "fresh", "top", "max_tokens")} | {"trials": out}
+
+
 def attach_results(s: dict[str, Any], files: dict[str, Any]) -> None:
     """The summary's view of result files: steps (without chunk times) and logprob runs by name."""
     for name, data in files.items():
@@ -911,6 +1012,8 @@ def attach_results(s: dict[str, Any], files: dict[str, Any]) -> None:
             s.setdefault("logprobs", {})[name.removesuffix(".json")] = data
         elif data.get("kind") == "memory":
             s["memory"] = data
+        elif data.get("kind") == "continuation":
+            s["continuation"] = continuation_brief(data)
 
 
 RUNNER_V2_LINE = "Using V2 Model Runner"  # vLLM's worker logs it when it builds Model Runner V2 (0.2x)
@@ -1493,6 +1596,33 @@ SERIES["memory"] = {
 # max_num_seqs 512: a KV cache of 2.5 GiB then holds enough Mamba blocks (vLLM wants one per sequence), so
 # seven servers fit one H200 side by side (--fixed-kv 2684354560).
 RELEASE_TQ_LABELS = ("tq-nomtp", "tq-mtp-on", "tq-mtp-off")
+CONT_PATCH = "turboquant-prefill-continuation"
+# the continuation step empties the prefix cache between phases (vLLM's dev endpoint) and reads cached tokens
+CONTINUATION_BOOT = "--env VLLM_SERVER_DEV_MODE=1 --extra=--enable-prompt-tokens-details"
+
+
+def continuation_lines(runs: dict[str, dict[str, Any]]) -> list[str]:
+    """One line per continuation trial: the request that continues from cached context, pair vs alone, with
+    turboquant-prefill-continuation on (the patch's counter during the pair) or off."""
+    out = []
+    for name, r in runs.items():
+        brief = r.get("continuation")
+        if not brief:
+            continue
+        off = CONT_PATCH in " ".join(str(v) for v in (r.get("overlay_env") or {}).values())
+        for t in brief.get("trials") or []:
+            head = f"continuation {name} ({CONT_PATCH} {'off' if off else 'on'}) trial {t.get('trial')}"
+            if t.get("errors"):
+                out.append(f"{head}: ERROR {t['errors'][0]}")
+                continue
+            c, f = t["cont_vs_alone"]["first_token"], t["fresh_vs_alone"]["first_token"]
+            ov = (t.get("pair_overlay") or {})
+            avoided = (ov.get("counters") or {}).get("tq_prefill_fast_path_avoided", 0)
+            out.append(f"{head}: cached tokens {t.get('cached_tokens')}; continuing request, pair vs alone: top-1 "
+                       f"{c['top1_equal']}/{c['positions']}, top-20 overlap >= {c['min_overlap']}, max |diff| "
+                       f"{c['max_abs_diff']}; fresh request: max |diff| {f['max_abs_diff']}; fast path avoided "
+                       f"during the pair: {avoided}; forwards {ov.get('top_forward_sizes')}")
+    return out
 
 
 def release_verdict(runs: dict[str, dict[str, Any]], pairs: dict[str, Any]) -> list[str]:
@@ -1519,6 +1649,7 @@ def release_verdict(runs: dict[str, dict[str, Any]], pairs: dict[str, Any]) -> l
         if name == "forced-guard":
             out.append(f"forced-guard ({runner}): " + (mark.get("expected") or ("FAILED: " + mark["failed"] if
                                                        mark.get("failed") else "not finished")))
+    out.extend(continuation_lines(runs))
     ov, st = runs.get("bf16-overlay", {}).get("steps"), runs.get("bf16-stock", {}).get("steps")
     if ov and st:
         for key in ov.get("points", {}):
@@ -1543,7 +1674,8 @@ SERIES["release"] = {
     "fallbacks": ("headroom",),
     "compare": (("tq-mtp-off", "tq-nomtp", "lp"), ("tq-mtp-on", "tq-nomtp", "lp")),
     "verdict": release_verdict,
-    "items": [("tq-nomtp", "--mtp 0", ("logprobs",)),
+    "continuation": "--trials 3 --prefix 1024 --cont 512 --fresh 2048 --max-tokens 4 --top 20",
+    "items": [("tq-nomtp", f"--mtp 0 {CONTINUATION_BOOT}", ("logprobs", "continuation")),
               ("tq-mtp-on", "--mtp 3", ("logprobs", "stress")),
               ("tq-mtp-off", f"--mtp 3 --overlay-env VLLM_OVERLAY_DISABLE={TQSPEC_PATCH}", ("logprobs",)),
               ("awq-tq-mtp", "--model qwen36-35b-a3b-slice8-awq --mtp 3", ("stress",)),
@@ -1551,9 +1683,11 @@ SERIES["release"] = {
               ("bf16-stock", "--config stock --kv auto --mtp 0", ("steps",)),
               # a fixed KV cache: side by side it boots beside busy servers, and it stops before its KV cache matters;
               # MTP 3: from vLLM 0.34.0 only the GDN layers on the fused spec-decode path (MTP) get the buffer
-              ("forced-guard", "--config forced-guard --kv auto --mtp 3 --kv-bytes 2684354560", ("guard",))],
+              ("forced-guard", "--config forced-guard --kv auto --mtp 3 --kv-bytes 2684354560", ("guard",)),
+              ("tq-cont-off", f"--mtp 0 {CONTINUATION_BOOT} --overlay-env VLLM_OVERLAY_DISABLE={CONT_PATCH}",
+               ("continuation",))],
 }
-PHASES = ("steps", "stress", "logprobs", "guard", "memory")
+PHASES = ("steps", "stress", "logprobs", "continuation", "guard", "memory")
 REFUSED: dict[str, str] = {}  # labels whose boot never started, this process
 ABORTED: dict[str, str] = {}  # labels that built another model runner than the series expects
 SERIES_RESERVE_S = 45  # kept back from a label's steps for its logprobs and stop before the deadline
@@ -2010,6 +2144,14 @@ def run_series_queue(name: str, items: list[tuple[str, list[str], tuple[str, ...
                     return
                 series_mark(label, logprobs_rc=rc)
                 continue
+            if "continuation" in phases and opts["continuation"] is not None and "continuation_rc" not in mark:
+                if t_end - time.time() < 30:
+                    return
+                rc = traffic(label, gpu, t_end, ["continuation", label, *opts["continuation"]])
+                if rc is None:
+                    return
+                series_mark(label, continuation_rc=rc)
+                continue
             if t_end - time.time() < 20:
                 return
             if opts.get("profile_alone") and not WINDOWS.traffic_start(label, gpu, t_end):
@@ -2183,6 +2325,7 @@ def cmd_series(a: argparse.Namespace) -> int:
         "memory_least_s": spec.get("least_budget_s", SERIES_MEMORY_LEAST_S),
         "guard_stress": args_of("guard_stress", a.guard_stress),
         "logprobs": None if a.no_logprobs else args_of("logprobs", a.logprobs),
+        "continuation": args_of("continuation", None),
         "fallbacks": tuple(spec.get("fallbacks", ("headroom", "max-capture"))), "expect_runner": expect,
         "stagger": a.stagger, "steps_alone": bool(spec.get("steps_alone")),
         "profile_alone": bool(spec.get("profile_alone")) and len(set(gpus)) < len(gpus),
@@ -2314,6 +2457,17 @@ def build_parser() -> argparse.ArgumentParser:
     lp.add_argument("--max-tokens", type=int, default=4)
     lp.add_argument("--seed", type=int, default=0)
     lp.add_argument("--out", default="logprobs", help="result file NAME.json in the label's folder")
+    co = sub.add_parser("continuation", parents=[common_opts],
+                        help="a prefill continuing from cached context beside a fresh prompt, against each alone")
+    co.add_argument("label")
+    co.add_argument("--trials", type=int, default=3)
+    co.add_argument("--prefix", type=int, default=1024, help="tokens of the cached prefix")
+    co.add_argument("--cont", type=int, default=512, help="new tokens after the prefix")
+    co.add_argument("--fresh", type=int, default=2048, help="tokens of the fresh prompt (>= prefix + cont)")
+    co.add_argument("--top", type=int, default=20)
+    co.add_argument("--max-tokens", type=int, default=4)
+    co.add_argument("--seed", type=int, default=0)
+    co.add_argument("--out", default="continuation", help="result file NAME.json in the label's folder")
     memory_serve.add_parser(sub, [common_opts])
     m = sub.add_parser("merge")
     m.add_argument("result")
@@ -2383,6 +2537,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_steps(a)
     if a.step == "logprobs":
         return cmd_logprobs(a)
+    if a.step == "continuation":
+        return cmd_continuation(a)
     if a.step == "stop":
         return cmd_stop(a)
     if a.step == "memory":

@@ -49,6 +49,27 @@ def mark_window(seq: int, name: str, limit: float = 20.0) -> float:
     raise RuntimeError(f"memory-headroom did not open window {seq} within {limit} s")
 
 
+BROKEN_TEXT = "a line no vLLM release has (a proof broken on purpose by the test)"
+
+
+def break_proof(patch_id: str, release: str) -> str:
+    """Give ``patch_id``'s support row of ``release`` one more proof, which no vLLM file holds (in this
+    process: its module's SPEC is replaced); returns the proof's file. A test of the carry-over: the
+    patch must then be skipped, naming that proof and file."""
+    import dataclasses
+    import importlib
+
+    from vllm_overlay.spec import Proof
+
+    mod = importlib.import_module("vllm_overlay.patches." + patch_id.replace("-", "_"))
+    row = mod.SPEC.support_for(release)
+    path = row.proof[0].path if row.proof else "config/vllm.py"
+    rows = tuple(dataclasses.replace(r, proof=(*r.proof, Proof(path, BROKEN_TEXT))) if r is row else r
+                 for r in mod.SPEC.support)
+    mod.SPEC = dataclasses.replace(mod.SPEC, support=rows)
+    return path
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -68,6 +89,8 @@ def main() -> int:
     ap.add_argument("--memory-windows", action="store_true",
                     help="open a memory-headroom window around the generate call (the mark file in "
                          "VLLM_OVERLAY_REPORT_DIR, acknowledged through the report) and keep its record")
+    ap.add_argument("--break-proof", metavar="PATCH@RELEASE", default=None,
+                    help="add a proof no file holds to that patch's support row of RELEASE (break_proof)")
     ap.add_argument("--first-mnbt", type=int, default=0,
                     help="first boot (and release) an engine with this max_num_batched_tokens in this process")
     # prefix caching puts hybrid models in mamba 'align' mode, which cuts prefills at block
@@ -76,6 +99,9 @@ def main() -> int:
     # the engine core runs in this process, so all prompts are queued before its first step
     # (as in the bug report's reproduction): the bug report's step is then exactly one forward
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if args.break_proof:  # before vLLM loads the plugin, which registers in this process
+        patch_id, release = args.break_proof.split("@")
+        break_proof(patch_id, release)
     from vllm import LLM, SamplingParams
 
     from vllm_overlay.models import tiny_hybrid_dir

@@ -97,13 +97,22 @@ def test_conflicting_pair(monkeypatch: pytest.MonkeyPatch) -> None:
     assert specs[0].id in str(err.value) and specs[1].id in str(err.value)
 
 
-@pytest.mark.parametrize("version", ["0.19.0", "0.34.0", "0.32.1"])
-def test_release_not_in_the_matrix_skips_every_patch(version: str) -> None:
-    """Nothing is guessed: a version the support matrix does not list gets no patch at all."""
-    d = by_id(core.decide({}, vllm=versions.Installed("vllm", version, "cuda")))
+NEWER = f"0.{int(versions.RELEASES[-1].split('.')[1]) + 10}.0"  # newer than the matrix, whatever it holds
+
+
+@pytest.mark.parametrize("version,env,said", [
+    ("0.19.0", {}, "vLLM 0.19.0 is not in the support matrix, and only a release newer than its newest"),
+    ("0.32.1", {}, "vLLM 0.32.1 is not in the support matrix, and only a release newer than its newest"),
+    ("0.21.0", {}, "vLLM 0.21.0 is left out of the support matrix: published on the package index as a source"),
+    (NEWER, {"VLLM_OVERLAY_CARRY_OVER": "0"}, f"VLLM_OVERLAY_CARRY_OVER=0: vLLM {NEWER} is newer than the support"),
+])
+def test_release_not_in_the_matrix_skips_every_patch(version: str, env: dict[str, str], said: str) -> None:
+    """Nothing is guessed: a version the support matrix does not list, and that nothing is carried over
+    to (older than its newest, left out by name, or carry-over off), gets no patch at all."""
+    d = by_id(core.decide(env, vllm=versions.Installed("vllm", version, "cuda")))
     for pid in ("forward-telemetry", "compile-cache-key", "gdn-output-prealloc", "hybrid-turboquant"):
-        assert d[pid].status == "skipped" and d[pid].reason == core.unknown_release(version)
-    assert f"vLLM {version} is not in the support matrix" in core.unknown_release(version)
+        assert d[pid].status == "skipped" and d[pid].reason == core.unknown_release(version, env)
+    assert core.unknown_release(version, env).startswith(said)
 
 
 def test_matrix_decides_per_release() -> None:
@@ -115,23 +124,23 @@ def test_matrix_decides_per_release() -> None:
 
 
 def test_unknown_release_is_one_loud_line(overlay, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.setattr(versions, "installed_vllm", lambda: versions.Installed("vllm", "0.34.0", "cuda"))
+    monkeypatch.setattr(versions, "installed_vllm", lambda: versions.Installed("vllm", "0.19.0", "cuda"))
     before = originals()
     caplog.set_level("INFO", logger="vllm_overlay")
     core.register()
     err = caplog.text
     lines = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and r.name.startswith("vllm_overlay")]
-    assert len(lines) == 1 and "vLLM 0.34.0 is not in the support matrix" in lines[0], err
+    assert len(lines) == 1 and "vLLM 0.19.0 is not in the support matrix" in lines[0], err
     assert all(before[k] is v for k, v in originals().items())
     assert {p["status"] for p in STATE.patches.values()} <= {"skipped", "off"}
 
 
 def test_unknown_release_strict_refuses_to_start(overlay, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.setattr(versions, "installed_vllm", lambda: versions.Installed("vllm", "0.34.0", "cuda"))
+    monkeypatch.setattr(versions, "installed_vllm", lambda: versions.Installed("vllm", "0.21.0", "cuda"))
     monkeypatch.setenv("VLLM_OVERLAY_STRICT", "1")
     with pytest.raises(StrictModeError) as err:
         core.register()
-    assert "vLLM 0.34.0 is not in the support matrix" in str(err.value)
+    assert "vLLM 0.21.0 is left out of the support matrix" in str(err.value)
 
 
 def test_apply_then_revert_restores_every_target(overlay) -> None:  # type: ignore[no-untyped-def]

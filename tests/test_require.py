@@ -68,8 +68,8 @@ def test_cpu_proven_on_the_cpu_build() -> None:
 def test_a_bad_value_names_the_variable_and_what_is_accepted() -> None:
     with pytest.raises(SettingError) as e:
         core.decide({"VLLM_OVERLAY_REQUIRE": "proven"}, vllm=CPU_0320)
-    assert str(e.value) == ("VLLM_OVERLAY_REQUIRE='proven': expected one of source-checked, cpu-proven, "
-                            "gpu-proven (unset: no requirement)")
+    assert str(e.value) == ("VLLM_OVERLAY_REQUIRE='proven': expected one of carried-over, source-checked, "
+                            "cpu-proven, gpu-proven (unset: no requirement)")
 
 
 @pytest.fixture

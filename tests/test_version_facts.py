@@ -41,7 +41,7 @@ def test_the_registry_agrees_with_the_release_list() -> None:
     assert [p for spec in core.specs() for p in version_problems(spec)] == []
     for spec in core.specs():  # applies_on is the one answer; releases() lists the same
         assert spec.releases() == [v for v in versions.RELEASES if spec.applies_on(v)]
-        assert not spec.applies_on("0.34.0")
+        assert not spec.applies_on("0.35.0")
 
 
 def test_a_release_no_support_row_covers() -> None:
@@ -55,34 +55,34 @@ def test_a_release_no_support_row_covers() -> None:
 def test_a_release_two_support_rows_cover() -> None:
     overlap = dataclasses.replace(kvs.SPEC, support=kvs.SPEC.support + (Support("==0.26.0", "unsupported", "x"),))
     assert one(overlap) == (
-        "turboquant-v1-kv-shape: support[4] vllm='==0.26.0' covers 0.26.0, already covered by support[1] "
+        "turboquant-v1-kv-shape: support[5] vllm='==0.26.0' covers 0.26.0, already covered by support[1] "
         "vllm='>=0.25.0,<=0.26.0'; expected each release of versions.RELEASES in exactly one row")
 
 
 def test_a_support_row_that_matches_no_release() -> None:
     dead = dataclasses.replace(kvs.SPEC, support=kvs.SPEC.support + (Support("==0.21.0", "unsupported", "x"),))
-    assert one(dead) == ("turboquant-v1-kv-shape: support[4] vllm='==0.21.0' matches no release of "
-                         "versions.RELEASES (0.20.0 to 0.33.0); expected a range that selects at least one")
+    assert one(dead) == ("turboquant-v1-kv-shape: support[5] vllm='==0.21.0' matches no release of "
+                         "versions.RELEASES (0.20.0 to 0.34.0); expected a range that selects at least one")
 
 
 def test_a_release_added_to_the_list_without_rows_or_hashes(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """Adding 0.34.0 to RELEASES alone: the registry refuses to load, naming every spec whose rows stop
+    """Adding 0.35.0 to RELEASES alone: the registry refuses to load, naming every spec whose rows stop
     before it; with gdn-output-prealloc's row extended, its missing pristine hashes are named."""
     ids = [spec.id for spec in core.specs()]
-    monkeypatch.setattr(versions, "RELEASES", versions.RELEASES + ("0.34.0",))
+    monkeypatch.setattr(versions, "RELEASES", versions.RELEASES + ("0.35.0",))
     core._order_checked[0] = ()
     with pytest.raises(OverlayError) as err:
         core.registry()
-    for pid in ids:  # every row of every spec stops at 0.33.0
-        assert f"{pid}: no support row covers 0.34.0; expected each release" in str(err.value)
+    for pid in ids:  # every row of every spec stops at 0.34.0
+        assert f"{pid}: no support row covers 0.35.0; expected each release" in str(err.value)
     rows = gdn.SPEC.support
-    last = dataclasses.replace(rows[-1], vllm=">=0.25.0,<=0.34.0")
+    last = dataclasses.replace(rows[-1], vllm=">=0.34.0,<=0.35.0")
     extended = dataclasses.replace(gdn.SPEC, support=rows[:-1] + (last,))
     problems = version_problems(extended)
     assert problems == [
-        f"gdn-output-prealloc: target {gdn.MOD_QWEN}:{gdn.CLS_QWEN}.{fn} is rewritten but no rewrite (per_release "
-        "hash key) is recorded for 0.34.0; expected one for each release its range and the 'applies' rows "
-        "select (0.22.0-0.34.0)" for fn in ("forward_cuda", "forward_cpu")]
+        f"gdn-output-prealloc: target {gdn.MOD_QWEN}:{gdn.CLS_QWEN}.forward_cuda is rewritten but no rewrite "
+        "(per_release hash key) is recorded for 0.35.0; expected one for each release its range and the 'applies' "
+        "rows select (0.22.0-0.35.0)"]
 
 
 def test_a_wrap_target_range_wider_than_its_applies_rows() -> None:
@@ -141,7 +141,7 @@ def test_a_hash_outside_its_targets_range() -> None:
 def test_a_hash_for_a_version_that_is_no_release() -> None:
     line = one(_htq_rewrites({**_htq_hashes(), "0.21.0": "0" * 64}))
     assert line == (f"hybrid-turboquant: the rewrite of {HTQ_ARGS} recorded for '0.21.0' (a per_release hash "
-                    f"key): not a release of versions.RELEASES (0.20.0 to 0.33.0); {HTQ_RANGE}")
+                    f"key): not a release of versions.RELEASES (0.20.0 to 0.34.0); {HTQ_RANGE}")
 
 
 def test_a_hash_given_twice_for_one_release() -> None:

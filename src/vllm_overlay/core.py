@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-from vllm_overlay import levels, report_files, server_id, settings, versions
+from vllm_overlay import carry, levels, report_files, server_id, settings, versions
 from vllm_overlay.errors import OverlayError, PatchConflictError, SettingError, StrictModeError, UnknownPatchError
 from vllm_overlay.mechanisms import install as installmech
 from vllm_overlay.mechanisms import wrap as wrapmech
@@ -30,11 +30,12 @@ from vllm_overlay.report import STATE
 from vllm_overlay.spec import HOOKS, PatchSpec, version_problems, wrap_order_problems
 
 
-def unknown_release(version: str) -> str:
-    """The one reason every patch gives on a vLLM release the support matrix does not cover."""
+def unknown_release(version: str, environ: Mapping[str, str] | None = None) -> str:
+    """The one reason every patch gives on a vLLM release the support matrix does not cover and
+    nothing is carried over to (carry.beyond is None there)."""
     return (
-        f"vLLM {version} is not in the support matrix (checked releases {versions.RELEASES[0]} to "
-        f"{versions.RELEASES[-1]}: hashes, anchors and targets); nothing is guessed: no patch applies "
+        f"{carry.not_carried(version, environ)}; the matrix checked releases {versions.RELEASES[0]} to "
+        f"{versions.RELEASES[-1]} (hashes, anchors and targets); nothing is guessed: no patch applies "
         f"(a maintainer adds it with `vllm-overlay verify --version {version} --download --propose`)"
     )
 
@@ -46,6 +47,12 @@ class Decision:
     reason: str
     level: str | None = None  # with VLLM_OVERLAY_REQUIRE: the patch's level on this process's cell
     below_required: bool = False  # skipped because that level is below VLLM_OVERLAY_REQUIRE
+    carry: carry.Outcome | None = None  # on a release newer than the matrix: what its checks decided
+
+    @property
+    def release(self) -> str | None:
+        """The matrix release whose targets and rewrites install it (the base when carried over)."""
+        return self.carry.base if self.carry is not None else None
 
 
 def required_level(decisions: list[Decision], inst: versions.Installed | None,
@@ -53,7 +60,19 @@ def required_level(decisions: list[Decision], inst: versions.Installed | None,
     """With VLLM_OVERLAY_REQUIRE set, a planned patch whose level on this process's cell is below it
     becomes skipped (its reason names both levels and the cell)."""
     want = settings.value("VLLM_OVERLAY_REQUIRE", environ)
-    if not want or inst is None or inst.version not in versions.RELEASES:
+    if inst is not None and inst.version not in versions.RELEASES:  # carried over, or nothing applies
+        out = []
+        for d in decisions:
+            if d.status != "planned" or d.carry is None:
+                out.append(d)
+            elif not want or levels.rank(levels.CARRIED) >= levels.rank(want):
+                out.append(Decision(d.spec, d.status, d.reason, level=levels.CARRIED, carry=d.carry))
+            else:
+                out.append(Decision(d.spec, "skipped", f"VLLM_OVERLAY_REQUIRE={want}: it is {levels.CARRIED} on vLLM "
+                                    f"{inst.version} {inst.platform} ({levels.MEANS[levels.CARRIED]})",
+                                    level=levels.CARRIED, below_required=True, carry=d.carry))
+        return out
+    if not want or inst is None:
         return decisions
     runner, why = levels.expected_runner(inst.version, inst.platform, environ)
     where = f"vLLM {inst.version} {inst.platform}, runner {runner or 'V1 or V2 (the weaker counts)'}"
@@ -106,6 +125,9 @@ def _check_specs(all_specs: tuple[PatchSpec, ...]) -> None:
     if len(last) == len(all_specs) and all(a is b for a, b in zip(last, all_specs)):
         return
     problems = [p for spec in all_specs for p in version_problems(spec)]
+    problems += [f"{spec.id}: beyond_matrix is not declared; expected beyond_matrix='carry' or 'never' with "
+                 "beyond_matrix_why (what it does on a release newer than the matrix, and why)"
+                 for spec in all_specs if not spec.beyond_matrix]
     if problems:
         raise OverlayError("the patches' version facts disagree with versions.RELEASES (the one list of "
                            "releases) or with each other: " + "; ".join(problems))
@@ -135,8 +157,11 @@ def _check_ids(name: str, ids: tuple[str, ...], known: list[str]) -> None:
 def decide(
     environ: Mapping[str, str] | None = None,
     vllm: versions.Installed | None | str = "detect",
+    read: carry.Reader | None = None,
 ) -> list[Decision]:
-    """What would apply here and why (pure: applies nothing). Raises on bad switches."""
+    """What would apply here and why (pure: applies nothing). Raises on bad switches. On a release
+    newer than the matrix, each wanted patch's checks read the vLLM files through ``read`` (default:
+    the installed vLLM's files, each read once)."""
     all_specs = specs()
     known = [s.id for s in all_specs]
     on = settings.value("VLLM_OVERLAY", environ)
@@ -146,8 +171,15 @@ def decide(
     disable = settings.value("VLLM_OVERLAY_DISABLE", environ)
     _check_ids("VLLM_OVERLAY_ENABLE", enable, known)
     _check_ids("VLLM_OVERLAY_DISABLE", disable, known)
-    inst = versions.installed_vllm() if vllm == "detect" else vllm
+    inst = carry.installed(environ) if vllm == "detect" else vllm
     assert not isinstance(inst, str)
+    beyond = carry.beyond(inst.version, environ) if inst is not None else None
+    if beyond is not None:
+        if read is None:
+            from vllm_overlay.sources import installed_reader
+
+            read = installed_reader()
+        read = carry.cached(read)
 
     wanted: dict[str, str] = {}  # id -> why it is wanted
     out: dict[str, Decision] = {}
@@ -190,8 +222,21 @@ def decide(
             out[spec.id] = Decision(spec, "skipped", f"enabled, but {spec.enabled_by} is 0 (nothing to do)")
         elif inst is None:
             out[spec.id] = Decision(spec, "skipped", "vLLM is not installed in this environment")
+        elif beyond is not None and inst.platform not in spec.platforms:
+            out[spec.id] = Decision(
+                spec, "not-needed", f"platform {inst.platform}: the patch concerns {', '.join(spec.platforms)} only"
+            )
+        elif beyond is not None:
+            assert read is not None
+            got = carry.check(spec, beyond, inst.platform, read)
+            if got.status == "planned" and not spec.modules(got.base, inst.platform):
+                got = carry.Outcome(got.base, "skipped", f"vLLM {inst.version}: its {got.base} support row applies, "
+                                    "but the spec records no target or rewrite for it on this platform",
+                                    got.checks, got.failed, got.seconds)
+            out[spec.id] = Decision(spec, got.status, got.reason if got.status != "planned" else f"{why}; {got.reason}",
+                                    carry=got)
         elif inst.version not in versions.RELEASES:
-            out[spec.id] = Decision(spec, "skipped", unknown_release(inst.version))
+            out[spec.id] = Decision(spec, "skipped", unknown_release(inst.version, environ))
         elif (row := spec.support_for(inst.version)) is not None and row.status in ("upstream-merged", "not-needed"):
             out[spec.id] = Decision(spec, row.status, f"vLLM {inst.version}: {row.reason}")
         elif inst.platform not in spec.platforms:
@@ -222,7 +267,8 @@ def decide(
             for req in spec.requires:
                 if out[req].status != "planned":
                     out[spec.id] = Decision(
-                        spec, "skipped", f"requires {req!r}, which is {out[req].status}: {out[req].reason}"
+                        spec, "skipped", f"requires {req!r}, which is {out[req].status}: {out[req].reason}",
+                        carry=d.carry,
                     )
                     changed = True
                     break
@@ -239,6 +285,7 @@ class Active:
     pending: set[str] = field(default_factory=set)
     installed: list[wrapmech.Installed] = field(default_factory=list)
     live: bool = True
+    release: str | None = None  # the matrix release whose targets it installs (carried over); None: vLLM's own
 
 
 _LOCK = threading.RLock()
@@ -305,7 +352,8 @@ def _make_hook(active: Active, module_name: str, strict: bool) -> Any:
             try:
                 with wrapmech.installing(active.spec.id):
                     installed = installmech.install(active.spec, active.module, module_name,
-                                                    STATE.vllm_version or "", STATE.platform)
+                                                    active.release or STATE.vllm_version or "", STATE.platform,
+                                                    **({"check_params": True} if active.release else {}))
             except Exception as exc:  # noqa: BLE001
                 _fail(active, exc, strict)
                 return
@@ -358,13 +406,18 @@ def register() -> None:
             if not settings.off():
                 raise
         strict = settings.value("VLLM_OVERLAY_STRICT")
-        inst = versions.installed_vllm()
+        inst = carry.installed()
         STATE.vllm_version = inst.version if inst else None
         STATE.platform = inst.platform if inst else None
         decisions = decide(vllm=inst)
         modules = {s.id: m for s, m in registry()}
         STATE.registered = True
-        if inst is not None and inst.version not in versions.RELEASES and on_any(decisions):
+        beyond = carry.beyond(inst.version) if inst is not None else None
+        if beyond is not None and on_any(decisions):  # one line per process: the release and the counts
+            STATE.carried_from = beyond.base
+            STATE.carry = carry.report(decisions, beyond)
+            LOG.warning("%s", carry.summary(decisions, beyond))
+        if inst is not None and inst.version not in versions.RELEASES and beyond is None and on_any(decisions):
             line = unknown_release(inst.version)
             for d in decisions:
                 STATE.set_patch(d.spec.id, d.status, reason=d.reason)
@@ -373,7 +426,7 @@ def register() -> None:
             LOG.warning("every patch skipped: %s", line)  # one line, not one per patch
             decisions = []
         below = [d for d in decisions if d.below_required]
-        if below:  # asked for by the operator: one line per process, never a StrictModeError
+        if below and beyond is None:  # asked for by the operator: one line per process, never a StrictModeError
             assert inst is not None
             runner, why = levels.expected_runner(inst.version, inst.platform)
             LOG.warning("VLLM_OVERLAY_REQUIRE=%s: %d patch(es) below it skipped on vLLM %s %s, runner %s (%s): %s",
@@ -395,13 +448,18 @@ def register() -> None:
                         raise StrictModeError(
                             f"VLLM_OVERLAY_STRICT=1: patch {d.spec.id!r} cannot apply: {d.reason}"
                         )
-                    LOG.warning("patch %s skipped: %s", d.spec.id, d.reason)
+                    if d.carry is None:
+                        LOG.warning("patch %s skipped: %s", d.spec.id, d.reason)
+                    else:  # named in the carry-over's one WARNING line
+                        LOG.info("patch %s skipped: %s", d.spec.id, d.reason)
                 continue
             module = modules[d.spec.id]
-            active = Active(d.spec, module, pending=set(d.spec.modules(inst.version, inst.platform)))
+            active = Active(d.spec, module, pending=set(d.spec.modules(d.release or inst.version, inst.platform)),
+                            release=d.release)
             _ACTIVE[d.spec.id] = active
             STATE.set_patch(d.spec.id, "armed", reason=d.reason, pending_modules=sorted(active.pending),
-                            **({"level": d.level} if d.level else {}))
+                            **({"level": d.level} if d.level else {}),
+                            **({"carried_from": d.release} if d.release else {}))
             for module_name in sorted(active.pending):
                 try:
                     wrapmech.when_imported(module_name, _make_hook(active, module_name, strict))

@@ -176,7 +176,10 @@ def patch_page(spec: PatchSpec) -> str:
         facts.append(("conflicts with", ", ".join(f"`{r}`" for r in spec.conflicts)))
     if spec.shown_by:
         facts.append(("report counters that show it acted", ", ".join(f"`{c}`" for c in spec.shown_by)))
-    facts += [("upstream", _cell(spec.upstream)), ("retire when", _cell(spec.retire_when))]
+    facts += [("upstream", _cell(spec.upstream)), ("retire when", _cell(spec.retire_when)),
+              ("beyond the matrix", _cell(("carries over where its checks hold: " if spec.beyond_matrix == "carry"
+                                          else "never applies: " if spec.beyond_matrix == "never" else "undeclared: ")
+                                         + spec.beyond_matrix_why))]
     out = [f"# `{spec.id}`: {spec.title}", "",
            "| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in facts), "",
            "What the spec says (`vllm-overlay plan --ledger` prints the same):", ""]

@@ -29,7 +29,11 @@ from packaging.version import Version
 
 from vllm_overlay.spec import PatchSpec
 
-LEVELS = ("unsupported", "source-checked", "cpu-proven", "gpu-proven")  # weakest first
+LEVELS = ("unsupported", "source-checked", "cpu-proven", "gpu-proven")  # of a cell of the matrix, weakest first
+# the level of a patch in a process on a release newer than the matrix that its checks carried over to
+# (carry.py): weaker than source-checked, as no maintainer checked that release's wheel
+CARRIED = "carried-over"
+PROCESS_LEVELS = ("unsupported", CARRIED, "source-checked", "cpu-proven", "gpu-proven")  # weakest first
 RUNNERS = ("V1", "V2")
 PLATFORMS = ("cuda", "cpu")
 V1_LAST = "0.33.0"  # vLLM 0.34.0 removed the V1 model runner (VLLM_USE_V2_MODEL_RUNNER other than 1 is refused)
@@ -40,6 +44,9 @@ MEANS = {
     "source-checked": "targets, anchors and hashes verified in that release's wheel only; no engine with the "
                       "overlay ran it there",
     "unsupported": "the patch does nothing there",
+    CARRIED: "a release newer than the support matrix: the checks of the newest release's support row (proofs, "
+             "rewrite hashes and anchors) held against the installed vLLM's files at start-up; no wheel check by "
+             "a maintainer, no engine run there",
 }
 
 
@@ -55,7 +62,7 @@ class CellLevel:
 
 
 def rank(level: str) -> int:
-    return LEVELS.index(level)
+    return PROCESS_LEVELS.index(level)
 
 
 @lru_cache(maxsize=4)

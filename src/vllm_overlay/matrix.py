@@ -251,3 +251,82 @@ def markdown() -> str:
                 rows.append(f"- `{s.id}` {versions.compact(covered)}: {row.status}: {row.reason}")
     return "\n".join(rows) + "\n"
 
+
+
+# ---- the proposal for a new release: what changed under each target ------------------------------
+
+
+def _function_source(module: str, qualname: str, read: Reader) -> tuple[str, str]:
+    """(where, source lines) of ``module:qualname`` (a method possibly inherited); KeyError if missing."""
+    import ast
+
+    found = find(module, qualname, read)
+    text = read(found.path)
+    body: list[ast.stmt] = ast.parse(text).body
+    node: ast.AST | None = None
+    for part in found.qualname.split("."):
+        node = next((n for n in body if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                     and n.name == part), None)
+        if node is None:
+            raise KeyError(f"{found.module}:{found.qualname}: no definition of {part} in vllm/{found.path}")
+        body = getattr(node, "body", [])
+    assert node is not None
+    first = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", []))])  # type: ignore[attr-defined]
+    source = "".join(text.splitlines(keepends=True)[first - 1: node.end_lineno])  # type: ignore[attr-defined]
+    return f"vllm/{found.path}:{node.lineno} ({found.module}:{found.qualname})", source  # type: ignore[attr-defined]
+
+
+def target_diffs(spec: PatchSpec, version: str, read: Reader, base: str, read_base: Reader) -> list[str]:
+    """For each vLLM function ``spec`` wraps or rewrites on its newest release in the matrix: the unified
+    diff of its source in ``base`` (the newest release of the matrix, ``read_base``) against ``version``
+    (``read``), or that it is unchanged, missing, or outside vLLM. Markdown lines."""
+    import difflib
+
+    latest = _latest(spec)
+    if latest is None:
+        return [f"- `{spec.id}`: applies on no release of the matrix: no target to compare"]
+    seen: set[tuple[str, str]] = set()
+    out: list[str] = []
+    for t in [t for t in spec.targets if t.applies_to(latest)]:
+        key = (t.module, t.qualname)
+        if key in seen:
+            continue
+        seen.add(key)
+        if t.module != "vllm" and not t.module.startswith("vllm."):
+            out.append(f"- `{spec.id}` `{t}`: outside vLLM, not in the wheels")
+            continue
+        try:
+            where_old, old = _function_source(t.module, t.qualname, read_base)
+        except (KeyError, SyntaxError) as exc:
+            out.append(f"- `{spec.id}` `{t}`: not found in {base} ({exc}): nothing to compare")
+            continue
+        try:
+            where_new, new = _function_source(t.module, t.qualname, read)
+        except (KeyError, SyntaxError) as exc:
+            out.append(f"- `{spec.id}` `{t}`: MISSING in {version}: {exc}")
+            continue
+        if old == new:
+            out.append(f"- `{spec.id}` `{t}`: unchanged from {base} ({where_new})")
+            continue
+        diff = difflib.unified_diff(old.splitlines(keepends=True), new.splitlines(keepends=True),
+                                    f"{base} {where_old}", f"{version} {where_new}")
+        out += [f"- `{spec.id}` `{t}`: CHANGED from {base}:", "", "```diff", *(ln.rstrip("\n") for ln in diff),
+                "```", ""]
+    return out
+
+
+def proposal(version: str, read: Reader, base: str, read_base: Reader) -> str:
+    """The proposal a maintainer reviews before adding ``version`` (`vllm-overlay verify --version X
+    --propose --out FILE`): per patch, the support row to extend or the checks that fail, then each
+    target's source diffed against ``base``, the newest release of the matrix. Markdown."""
+    lines = propose(version, read)
+    failing = [ln for ln in lines if "DOES NOT hold" in ln or "DRIFT" in ln or "MISSING" in ln]
+    out = [f"# vLLM {version}: proposal for the support matrix", "",
+           f"Computed from the CUDA wheels of vLLM {version} and of {base}, the newest release of the matrix. "
+           "Nothing here is applied: review it, then edit the specs (CONTRIBUTING.md, Adding a vLLM release).", "",
+           "## Support rows per patch", "", *(f"- {ln}" for ln in lines[1:]), "",
+           "## Checks that fail", "", *([f"- {ln}" for ln in failing] or ["- none"]), "",
+           f"## Each target's source against {base}", ""]
+    for spec in specs():
+        out += target_diffs(spec, version, read, base, read_base)
+    return "\n".join(out).rstrip("\n") + "\n"

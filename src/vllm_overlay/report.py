@@ -71,6 +71,10 @@ class ProcessState:
         self.hook_apply_s = 0.0  # patches applied later, when vLLM imported their modules
         self.vllm_version: str | None = None
         self.platform: str | None = None
+        # a release newer than the matrix (carry.py): the matrix release whose rows were carried over,
+        # and the record of every wanted patch's checks
+        self.carried_from: str | None = None
+        self.carry: dict[str, Any] | None = None
         self.patches: dict[str, dict[str, Any]] = {}
         self.budgets: list[dict[str, Any]] = []
         self.counters: dict[str, int] = {"guard_checks": 0, "guard_trips": 0}
@@ -187,6 +191,7 @@ class ProcessState:
                 "written": time.time(),
                 "vllm_version": self.vllm_version,
                 "platform": self.platform,
+                **({"carry": self.carry} if self.carry is not None else {}),
                 "register_calls": self.register_calls,
                 "load_apply_s": self.load_apply_s,
                 "hook_apply_s": self.hook_apply_s,
@@ -363,12 +368,14 @@ def _after_fork_in_child() -> None:
 
     parent = STATE.pid
     patches, version, platform = copy.deepcopy(STATE.patches), STATE.vllm_version, STATE.platform
+    carried_from, carried = STATE.carried_from, copy.deepcopy(STATE.carry)
     budgets = copy.deepcopy(STATE.budgets)
     registered = STATE.registered
     STATE.lock = threading.RLock()
     STATE.reset()
     STATE.forked_from = parent
     STATE.patches, STATE.vllm_version, STATE.platform = patches, version, platform
+    STATE.carried_from, STATE.carry = carried_from, carried
     STATE.budgets = [{**b, "inherited_from": parent} for b in budgets]
     # STATE.buffers: the modules that own buffers re-add theirs from their own fork handlers
     # (registered after this one, since they import this module, so they run after it)

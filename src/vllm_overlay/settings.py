@@ -137,12 +137,30 @@ def _gemv_table_check(path: str, default: bool) -> str | None:
     return None
 
 
-REQUIRE_LEVELS = ("source-checked", "cpu-proven", "gpu-proven")  # vllm_overlay.levels.LEVELS, weakest first
+# vllm_overlay.levels.PROCESS_LEVELS, weakest first (carried-over: a release newer than the matrix)
+REQUIRE_LEVELS = ("carried-over", "source-checked", "cpu-proven", "gpu-proven")
 
 
 def _level(raw: str) -> str:
     text = raw.strip().lower()
     if text not in REQUIRE_LEVELS:
+        raise ValueError
+    return text
+
+
+def _release(raw: str) -> str:
+    text = raw.strip()
+    parts = text.split(".")
+    if len(parts) != 3 or not all(p.isascii() and p.isdigit() for p in parts):
+        raise ValueError
+    return text
+
+
+def _matrix_release(raw: str) -> str:
+    from vllm_overlay.versions import RELEASES
+
+    text = _release(raw)
+    if text not in RELEASES:
         raise ValueError
     return text
 
@@ -189,6 +207,16 @@ SETTINGS: tuple[Setting, ...] = (
         "start-up (CUDA from 0.22.0 without VLLM_USE_V2_MODEL_RUNNER) every process takes the weaker of "
         "the V1 and V2 levels, so all processes of a server decide alike; set VLLM_USE_V2_MODEL_RUNNER "
         "to be judged by the runner you build. `vllm-overlay plan` shows the levels.",
+    ),
+    Setting(
+        "VLLM_OVERLAY_CARRY_OVER", _bool, True, "1 or 0 (0: every patch skipped on a release newer than the matrix)",
+        "On a vLLM release newer than the newest of the support matrix, each wanted patch runs at start-up "
+        "the checks of its support row of that newest release (its proofs, its rewrites' pristine hashes and "
+        "anchors) against the installed vLLM's files, read as files; where all hold it applies at the "
+        "support level carried-over, where one fails it is skipped naming the check and the file, and one "
+        "WARNING per process names the release and the counts. A patch whose spec says beyond_matrix='never' "
+        "is skipped there. 0: every patch is skipped on such a release, with one line. Releases older than "
+        "the matrix, or left out of it by name (versions.LEFT_OUT), are never carried over.",
     ),
     Setting(
         "VLLM_OVERLAY_REPORT_DIR", _path, None,
@@ -308,6 +336,20 @@ SETTINGS: tuple[Setting, ...] = (
         f"an integer in [1, {TOKEN_MAX}]",
         "TEST ONLY. Forces the GDN buffer to this many rows, bypassing the resolver and its floor, "
         "to reproduce the legacy bug or prove the capacity guard. Never set it in production.",
+        test_only=True,
+    ),
+    Setting(
+        "VLLM_OVERLAY_TEST_VLLM_VERSION", _release, None, "a release X.Y.Z",
+        "TEST ONLY. Presents the installed vLLM as this release to the overlay (its files are read as they "
+        "are), so that the CPU build can be met as a release newer than the support matrix. Never set it in "
+        "production.",
+        test_only=True,
+    ),
+    Setting(
+        "VLLM_OVERLAY_TEST_NEWEST_RELEASE", _matrix_release, None, "a release of the support matrix",
+        "TEST ONLY. The release whose support rows the carry-over checks and applies, in place of the newest "
+        "of the matrix (so a test on the CPU build, 0.32.0, carries 0.32.0's rows whatever releases the "
+        "matrix gains). Never set it in production.",
         test_only=True,
     ),
     Setting(

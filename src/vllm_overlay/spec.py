@@ -19,6 +19,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 STATUSES = ("applies", "upstream-merged", "not-needed", "unsupported")
+BEYOND_MATRIX = ("", "carry", "never")  # PatchSpec.beyond_matrix ("": undeclared, refused by the registry)
 HOOKS = ("prepare", "on_revert")  # the patch-module functions a spec may declare (PatchSpec.hooks)
 
 
@@ -167,6 +168,12 @@ class PatchSpec:
     # does not depend on the runner. On V2 of any other release it stands aside (one WARNING in
     # the worker) and its support level there is "unsupported" (levels.cell)
     v2_releases: str | None = None
+    # what the patch does on a vLLM release newer than the newest of versions.RELEASES (carry.py):
+    # "carry": it applies there where the checks of its newest row hold against the installed sources
+    # (level carried-over); "never": it is skipped there, because applied where it does not fit it could
+    # corrupt outputs or memory. Every registry patch declares one, with its reason in beyond_matrix_why
+    beyond_matrix: str = ""
+    beyond_matrix_why: str = ""
 
     def __post_init__(self) -> None:
         if not self.id or not all(p.isalnum() and p == p.lower() for p in self.id.split("-")):
@@ -198,6 +205,10 @@ class PatchSpec:
                              "patch ids")
         if self.v2_releases is not None:
             SpecifierSet(self.v2_releases)  # raises on a bad specifier
+        if self.beyond_matrix not in BEYOND_MATRIX or bool(self.beyond_matrix) != bool(self.beyond_matrix_why.strip()):
+            raise ValueError(f"PatchSpec {self.id!r}: beyond_matrix={self.beyond_matrix!r}, beyond_matrix_why="
+                             f"{self.beyond_matrix_why!r}: expected 'carry' or 'never' with a one-line reason "
+                             "(both empty only outside the registry)")
         if self.id in self.wraps_outside:
             raise ValueError(f"PatchSpec {self.id!r}: wraps_outside={self.wraps_outside!r} names the patch "
                              "itself; expected the ids of other patches")

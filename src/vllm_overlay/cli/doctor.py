@@ -7,7 +7,7 @@ import os
 
 from packaging.version import Version
 
-from vllm_overlay import levels, reports, settings, versions
+from vllm_overlay import carry, levels, reports, settings, versions
 from vllm_overlay.budget import BUDGET_SETTINGS
 from vllm_overlay.cli import levels_line
 from vllm_overlay.errors import OverlayError, SettingError
@@ -58,6 +58,10 @@ def findings(mnbt: int | None, environ: dict[str, str] | None = None) -> list[tu
     if r["VLLM_OVERLAY_TEST_BUFFER_ROWS"].is_set:
         out.append(("error", f"VLLM_OVERLAY_TEST_BUFFER_ROWS={r['VLLM_OVERLAY_TEST_BUFFER_ROWS'].value}: "
                     "the GDN buffer size is forced (test only), bypassing the token-budget resolver"))
+    for name in ("VLLM_OVERLAY_TEST_VLLM_VERSION", "VLLM_OVERLAY_TEST_NEWEST_RELEASE"):
+        if r[name].is_set:
+            out.append(("warning", f"{name}={r[name].value}: test only; the overlay meets the installed vLLM "
+                        f"as the test asks: {r[name].setting.help.removeprefix('TEST ONLY. ').split('. ')[0]}"))
     headroom = bool(r["VLLM_OVERLAY_MEMORY_HEADROOM"].value)
     if not headroom:
         out.append(("warning", "VLLM_OVERLAY_MEMORY_HEADROOM=0: unsafe; the KV cache is sized from vLLM's "
@@ -130,15 +134,40 @@ def runner_lines(version: str | None, environ: dict[str, str] | None = None) -> 
     return out
 
 
+def carry_line(inst: versions.Installed) -> str | None:
+    """On a release newer than the matrix: the line each process logs at start-up (carry.summary);
+    None elsewhere, or where the settings do not let start-up get that far."""
+    from vllm_overlay.core import decide
+
+    beyond = carry.beyond(inst.version)
+    if beyond is None:
+        return None
+    try:
+        return carry.summary(decide(vllm=inst), beyond)
+    except OverlayError:  # a bad setting or switch: reported below, with the text start-up stops with
+        return None
+
+
 def run(args: argparse.Namespace) -> int:
     out = Out()
-    inst = versions.installed_vllm()
+    real = versions.installed_vllm()
+    inst = carry.installed()
     if inst:
         known = inst.version in versions.RELEASES
+        beyond = carry.beyond(inst.version)
         span = f"{versions.RELEASES[0]} to {versions.RELEASES[-1]}"
-        out.line(f"vLLM: {inst.distribution} {inst.version} on {inst.platform}"
-                 + ("" if known else f" (not in the support matrix, {span}: no patch applies)"),
-                 None if known else "warning")
+        shown = (f" (presented as {inst.version} by VLLM_OVERLAY_TEST_VLLM_VERSION, test only)"
+                 if real is not None and real.version != inst.version else "")
+        if known:
+            note = ""
+        elif beyond is not None:
+            note = f" (newer than the support matrix, {span}: each patch applies where its checks hold, below)"
+        else:
+            note = f" (not in the support matrix, {span}: no patch applies: {carry.not_carried(inst.version)})"
+        out.line(f"vLLM: {inst.distribution} {real.version if real else inst.version} on {inst.platform}{shown}"
+                 + note, None if known else "warning")
+        if (text := carry_line(inst)) is not None:
+            out.line(text, "warning")
     else:
         out.line(f"vLLM: not installed (the support matrix covers {versions.RELEASES[0]} to "
                  f"{versions.RELEASES[-1]}: `vllm-overlay matrix`)", "error")

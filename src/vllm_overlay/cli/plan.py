@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from vllm_overlay import settings, versions
+from vllm_overlay import carry, settings, versions
 from vllm_overlay.cli import levels_line
 from vllm_overlay.core import decide, unknown_release
 from vllm_overlay.output import Out
@@ -21,15 +21,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 def run(args: argparse.Namespace) -> int:
     settings.validate_all()  # what start-up checks first: a bad or unknown setting is an error here too
     out = Out()
-    inst = versions.installed_vllm()
+    inst = carry.installed()
     where = f"{inst.distribution} {inst.version} ({inst.platform})" if inst else "vLLM not installed"
-    if inst is not None and inst.version not in versions.RELEASES:
+    beyond = carry.beyond(inst.version) if inst is not None else None
+    if inst is not None and inst.version not in versions.RELEASES and beyond is None:
         out.line(f"every patch skipped: {unknown_release(inst.version)}", "warning")
     decisions = decide(vllm=inst)
+    if beyond is not None:  # the line every process logs at start-up
+        out.line(carry.summary(decisions, beyond), "warning")
     rows, styles = [], []
     for d in decisions:
         s = d.spec
         targets = ", ".join(str(t) for t in s.targets if inst is None or t.applies_to(inst.version))
+        if d.release:
+            targets = ", ".join(str(t) for t in s.targets if t.applies_to(d.release))
         rows.append([s.id, "would apply" if d.status == "planned" else d.status, d.reason, s.mechanism,
                      s.vllm, targets])
         styles.append(STYLE[d.status])
@@ -52,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
             for row in s.support:
                 out.line(f"vLLM {row.vllm}: {row.status}: {row.reason}")
             out.line(f"retire when: {s.retire_when}")
+            out.line(f"beyond the matrix: {s.beyond_matrix or 'not declared'}: {s.beyond_matrix_why}")
             for rw in s.rewrites:
                 out.line(f"rewrite: {rw.target} for vLLM {rw.version}, sha256 {rw.sha256[:16]}..., "
                          f"{len(rw.edits)} anchor(s)")

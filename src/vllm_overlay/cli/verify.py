@@ -23,6 +23,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help=f"check every release of the matrix ({versions.RELEASES[0]} to {versions.RELEASES[-1]})")
     p.add_argument("--propose", action="store_true",
                    help="print the spec entries (hashes, anchors, targets, proofs) to add for this release")
+    p.add_argument("--out", metavar="FILE",
+                   help="with --propose: write the proposal (support rows, failing checks, and each target's "
+                        "source diffed against the newest release of the matrix) to this Markdown file")
     p.add_argument("--quiet", action="store_true", help="print only failed checks and one line per release")
     p.set_defaults(func=run)
 
@@ -74,9 +77,17 @@ def run(args: argparse.Namespace) -> int:
         if inst is None:
             raise OverlayError("vLLM is not installed here; pass --wheel PATH or --version X.Y.Z")
         version, read, where = inst.version, sources.installed_reader(), f"installed {inst.distribution}"
+    if args.out and not args.propose:
+        raise OverlayError(f"--out {args.out!r}: only with --propose (it names the proposal's file)")
     if args.propose:
         for line in matrix.propose(version, read):
             print(line)
+        if args.out:
+            base = versions.RELEASES[-1]
+            text = matrix.proposal(version, read, base, sources.wheel_reader(wheels.fetch_vllm_wheel(base)))
+            with open(args.out, "w", encoding="utf-8") as f:
+                f.write(text)
+            print(f"proposal written to {args.out} (each target's source diffed against {base})")
         sys.stdout.flush()
         return 0
     return _one(version, read, where, args.quiet)

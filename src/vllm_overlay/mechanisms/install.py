@@ -13,11 +13,14 @@ from __future__ import annotations
 from types import ModuleType
 
 from vllm_overlay.mechanisms import rewrite, wrap
-from vllm_overlay.spec import PatchSpec
+from vllm_overlay.spec import PatchSpec, Target
 
 
 def install(spec: PatchSpec, patch_module: ModuleType, module_name: str, version: str,
-            platform: str | None = None) -> list[wrap.Installed]:
+            platform: str | None = None, check_params: bool = False) -> list[wrap.Installed]:
+    """``version``: the release whose targets and rewrites to install. ``check_params``: first check that
+    each wrapped target takes the parameters its wrapper reads (a patch carried over to a release newer
+    than the matrix, where no sweep checked them), else raise naming the target and the parameters."""
     out: list[wrap.Installed] = []
     prepare = getattr(patch_module, "prepare", None) if "prepare" in spec.hooks else None
     try:
@@ -36,6 +39,8 @@ def install(spec: PatchSpec, patch_module: ModuleType, module_name: str, version
                     f"patch {spec.id!r}: target {t} names wrapper {t.wrapper!r}, which "
                     f"{patch_module.__name__} does not define"
                 )
+            if check_params and t.params:
+                _check_params(t)
             out.append(wrap.wrap(t.module, t.qualname, fn))
     except Exception:
         for done in reversed(out):
@@ -49,3 +54,18 @@ def install(spec: PatchSpec, patch_module: ModuleType, module_name: str, version
             "(the spec names this module but no target or rewrite of it applies)"
         )
     return out
+
+
+def _check_params(target: Target) -> None:
+    import inspect
+
+    _, _, current = wrap.resolve(target.module, target.qualname)
+    func = getattr(current, "__func__", current)
+    try:
+        names = set(inspect.signature(func).parameters)
+    except (TypeError, ValueError):
+        return  # no signature to read (a builtin): the wrapper reads arguments as vLLM passes them
+    missing = [p for p in target.params if p not in names]
+    if missing:
+        raise TypeError(f"{target} takes no parameter(s) {', '.join(missing)}, which its wrapper {target.wrapper} "
+                        f"reads (found: {', '.join(names) or 'none'})")

@@ -164,7 +164,7 @@ def check_runner(spec: Any, runner: Any, forward_hooks: dict[str, tuple[str, ...
     from vllm_overlay.mechanisms.wrap import marks
 
     k = kind(runner)
-    version = STATE.vllm_version or ""
+    version = STATE.carried_from or STATE.vllm_version or ""  # carried over: the targets of that release
     got = fired_hooks(runner, spec.id)
     if k is None:
         missing = [f"every runner hook ({class_name(runner)} is neither vLLM's V1 model runner nor Model Runner V2)"]

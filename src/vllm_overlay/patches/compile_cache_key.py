@@ -53,7 +53,7 @@ def _spec() -> PatchSpec:
             Support(">=0.20.0,<=0.33.0", "applies",
                     "VllmConfig.compute_hash, which the patch folds the traced-code patches into, exists "
                     "in every release"),
-            Support(">=0.34.0", "applies",
+            Support("==0.34.0", "applies",
                     "compute_hash gave way to VllmConfig.compile_factors(), a dict the compile cache hashes "
                     "(compilation/caching.py, compute_env_and_config_hashes); the patch adds its digest as "
                     f"the entry {FACTOR_KEY!r} while a live patch changes traced code, and nothing otherwise",
@@ -66,6 +66,9 @@ def _spec() -> PatchSpec:
         default=True,
         retire_when="vLLM offers a hook for plugins to contribute to the compile-cache key.",
         settings=traced_settings(),  # what it reads: the traced patches' traced_settings
+        beyond_matrix="carry",
+        beyond_matrix_why=("it only folds the overlay's traced-code patches into vLLM's compile-cache key; where "
+                           "VllmConfig.compute_hash is gone its wrap fails at start-up, loudly"),
     )
 
 

@@ -86,7 +86,7 @@ SPEC = PatchSpec(
                                    "    x: torch.Tensor,\n    weight: torch.Tensor,\n"
                                    "    bias: torch.Tensor | None = None,\n):\n"
                                    "    return torch.nn.functional.linear(x, weight, bias)"))),
-        Support(">=0.34.0", "applies",
+        Support("==0.34.0", "applies",
                 "on CUDA dispatch_unquantized_gemm now returns cuda_unquantized_gemm: "
                 "torch.nn.functional.linear, except for a layer that process_weights_after_loading marked "
                 "use_skinny_gemm (vLLM's CuTe skinny GEMM, planned for a few shapes on SM 12.1 only). The patch "
@@ -113,6 +113,9 @@ SPEC = PatchSpec(
     settings=("VLLM_OVERLAY_DECODE_GEMV", "VLLM_OVERLAY_DECODE_GEMV_CONFIGS"),
     shown_by=("decode_gemv_calls",),
     idle_by=("decode_gemv_stood_aside",),
+    beyond_matrix="never",
+    beyond_matrix_why=("it replaces vLLM's GEMM for one-row forwards with the overlay's kernel, and by default acts "
+                       "only where a served A/B measured it; no release beyond the matrix was measured"),
 )
 
 _LOCK = threading.Lock()

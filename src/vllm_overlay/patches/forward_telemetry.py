@@ -59,7 +59,7 @@ SPEC = PatchSpec(
                 "forwards; its graph-capture forwards are not counted (the graph manager runs them, not "
                 "_dummy_run)",
                 (Proof("v1/worker/gpu/warmup.py", 'f"_warmup_{i}_"'),)),
-        Support(">=0.34.0", "applies",
+        Support("==0.34.0", "applies",
                 "the overlay's own per-forward counts, on Model Runner V2 only (vLLM 0.34.0 removed the V1 "
                 "runner: VLLM_USE_V2_MODEL_RUNNER other than 1 is refused). __init__, execute_model("
                 "scheduler_output, ..., dummy_run) and _dummy_run(num_tokens, is_profile) exist; every warm-up "
@@ -75,6 +75,9 @@ SPEC = PatchSpec(
     retire_when="vLLM exports per-forward scheduled-token counts itself (a metric or a hook).",
     settings=("VLLM_OVERLAY_REPORT_DIR", "VLLM_OVERLAY_STRICT"),
     either_modules=(RUNNER_MODULES,),
+    beyond_matrix="carry",
+    beyond_matrix_why=("it only counts forwards in the overlay's report; a hook that no longer fits fails or goes "
+                       "unfired loudly, and nothing vLLM computes changes"),
 )
 
 

@@ -198,7 +198,7 @@ SPEC = PatchSpec(
                 "batch_desc, _dummy_run, capture_model) guard the buffer",
                 (Proof(PATH_QWEN, "core_attn_out = torch.zeros("),
                  Proof("config/vllm.py", '"hybrid/mamba models', present=False))),
-        Support(">=0.34.0", "applies",
+        Support("==0.34.0", "applies",
                 f"{CLS_QWEN}.forward_cuda's main path now allocates core_attn_out = torch.empty(...) per forward "
                 "(no memset, sized per forward: nothing to save and no size to disagree), and is left as it "
                 "is; its fused spec-decode path (the CUDA GDN decode kernel with a speculative config, i.e. MTP, "
@@ -230,6 +230,10 @@ SPEC = PatchSpec(
     # _dummy_run, Worker.execute_model: the buffer check runs before telemetry records the forward,
     # so a forward it refuses is never counted as run
     wraps_outside=("forward-telemetry",),
+    beyond_matrix="carry",
+    beyond_matrix_why=("its rewrite carries only onto a forward byte-identical to the newest release's (the pristine"
+                       " hash is checked), and the capacity guard outside compiled code refuses a buffer smaller "
+                       "than a forward"),
 )
 
 

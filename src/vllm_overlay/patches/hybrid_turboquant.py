@@ -124,6 +124,9 @@ SPEC = PatchSpec(
     settings=("VLLM_OVERLAY_TQ_HYBRID_BOUNDARY",),
     platforms=("cuda",),
     rewrites=REWRITES,
+    beyond_matrix="never",
+    beyond_matrix_why=("it rewrites the hybrid page planner's TurboQuant page size, and a wrong page size corrupts "
+                       "the KV cache; upstream-merged since 0.22.0 anyway"),
 )
 
 

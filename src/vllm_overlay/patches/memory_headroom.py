@@ -163,7 +163,7 @@ SPEC = PatchSpec(
                 "the V2 path is checked in source and driven with vLLM's V2 classes and stand-in bodies only",
                 (Proof("config/vllm.py", "def _is_default_v2_model_runner_model", present=False),
                  _TRANSIENT, *_RUNNER_PROOFS, *_V2_PROOFS)),
-        Support(">=0.34.0", "applies",
+        Support("==0.34.0", "applies",
                 "Model Runner V2 only (V1 removed). vLLM's extensible KV cache, its default on CUDA from 0.34.0 "
                 "(unless kv_cache_memory_bytes is set), sizes the cache after warm-up steps of real "
                 "execute_model at max_num_batched_tokens and keeps their measured peak plus max(1 GiB, 0.75 x "
@@ -189,6 +189,9 @@ SPEC = PatchSpec(
               "VLLM_OVERLAY_REPORT_DIR"),
     either_modules=(RUNNER_MODULES,),
     v2_releases=V2_RELEASES,
+    beyond_matrix="carry",
+    beyond_matrix_why=("it only takes memory from the KV cache, never adds any, so a misfit costs KV capacity (said "
+                       "in its report line), not memory safety; its proofs pin the profiling internals it measures"),
 )
 
 

@@ -59,7 +59,7 @@ SPEC = PatchSpec(
                                 "    block_k: int | None = None,\n) -> dict[int, Any] | None:"),
                  Proof(FM_PATH, "configs = get_moe_configs(E, N, dtype, block_n, block_k)"),
                  Proof(FM_PATH, "user_defined_config_folder = envs.VLLM_TUNED_CONFIG_FOLDER"))),
-        Support(">=0.34.0", "applies",
+        Support("==0.34.0", "applies",
                 "as before, with a new argument down_moe (the Triton experts ask for a separate down-projection "
                 "config, file name ending _down.json, for block-FP8 weights): the wrapper passes it on, keys "
                 "its decisions by it, and looks only for the _down.json name vLLM would, so a gate/up config is "
@@ -76,6 +76,9 @@ SPEC = PatchSpec(
     retire_when="vLLM ships tuned configs for E=256,N=512 and N=256 (bf16, fp8) for the cards users serve on, "
                 "or users point VLLM_TUNED_CONFIG_FOLDER at their tuned folder themselves.",
     settings=("VLLM_OVERLAY_MOE_CONFIG_DIR",),
+    beyond_matrix="carry",
+    beyond_matrix_why=("a fused-MoE config only chooses tile sizes for vLLM's own kernel: a misfit costs speed, not "
+                       "correctness"),
 )
 
 

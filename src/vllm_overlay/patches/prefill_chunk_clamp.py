@@ -44,7 +44,7 @@ SPEC = PatchSpec(
                  Proof(SCHED_PATH, ONLY_WHEN_SHARED, present=False))),
         Support(">=0.31.0,<=0.33.0", "applies", BOUNDS_SHARED,
                 (Proof(SCHED_PATH, "if num_eligible_reqs > 1\n"),)),
-        Support(">=0.34.0", "applies", BOUNDS_SHARED + "; vLLM now also reads the threshold only with chunked "
+        Support("==0.34.0", "applies", BOUNDS_SHARED + "; vLLM now also reads the threshold only with chunked "
                 "prefill on, where the clamp stood aside already",
                 (Proof(SCHED_PATH, "if self.scheduler_config.enable_chunked_prefill and num_eligible_reqs > 1"),)),
     ),
@@ -52,6 +52,9 @@ SPEC = PatchSpec(
     enabled_by="VLLM_OVERLAY_PREFILL_CHUNK_CLAMP",
     retire_when="Users pass --long-prefill-token-threshold themselves.",
     settings=("VLLM_OVERLAY_PREFILL_CHUNK_CLAMP",),
+    beyond_matrix="carry",
+    beyond_matrix_why=("it only sets vLLM's long_prefill_token_threshold, which bounds how a prefill is chunked, not"
+                       " what is computed"),
 )
 
 

@@ -72,7 +72,7 @@ SPEC = PatchSpec(
                 "locks the workspace",
                 (Proof("v1/worker/gpu/model_runner.py", "lock_workspace()"),
                  Proof("v1/worker/gpu/cudagraph_utils.py", "capture_model(profile_only=True)"))),
-        Support(">=0.34.0", "applies",
+        Support("==0.34.0", "applies",
                 "Model Runner V2 only (V1 removed), the same two hooks as on 0.30.0-0.33.0. With the extensible "
                 "KV cache (vLLM's default on CUDA) the capped profile forward sets only the activation reserve "
                 "kept free during warm-up: vLLM then sizes the KV cache from real warm-up steps of "
@@ -94,6 +94,9 @@ SPEC = PatchSpec(
     # see the capped profiling forward that really runs (GDN's buffer check, telemetry's count) and
     # its full-size forward before capture passes through them too
     wraps_outside=("forward-telemetry", "gdn-output-prealloc"),
+    beyond_matrix="never",
+    beyond_matrix_why=("it changes what vLLM's memory profiling measures; on a release whose profiling changed, the "
+                       "KV cache could be sized over memory that a forward needs"),
 )
 
 

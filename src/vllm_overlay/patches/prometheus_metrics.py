@@ -46,6 +46,8 @@ SPEC = PatchSpec(
     default=True,
     retire_when="vLLM lets plugins add collectors to the /metrics registry itself.",
     settings=("VLLM_OVERLAY_REPORT_DIR", "VLLM_OVERLAY_SERVER_ID"),
+    beyond_matrix="carry",
+    beyond_matrix_why=("it only adds the overlay's series to the /metrics registry; nothing vLLM computes changes"),
 )
 
 

@@ -84,6 +84,9 @@ SPEC = PatchSpec(
                 "metrics or stats channel from worker to frontend).",
     settings=("VLLM_OVERLAY_REPORT_DIR",),
     either_modules=((MODULE, WORKER_BASE_MODULE),),
+    beyond_matrix="carry",
+    beyond_matrix_why=("it only gathers the workers' overlay reports through vLLM's collective_rpc between steps; "
+                       "nothing vLLM computes changes"),
 )
 
 # ---- the worker side --------------------------------------------------------------------------

@@ -74,6 +74,9 @@ SPEC = PatchSpec(
                  "equivalent merged); 0.33.0 does not."),
     shown_by=("tq_prefill_fast_path_avoided",),
     platforms=("cuda",),
+    beyond_matrix="carry",
+    beyond_matrix_why=("its proofs pin the fast path's condition and the metadata it reads; where they hold it only "
+                       "routes a batch with cached context away from a fast path that ignores that context"),
 )
 
 _FIRST = threading.Event()

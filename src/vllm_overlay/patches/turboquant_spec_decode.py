@@ -142,7 +142,7 @@ SPEC = PatchSpec(
                 "checked); an SoA cache (FlyDSL, ROCm gfx950 only) is left to vLLM with a warning",
                 _COMMON + _CPU_COPIES + (Proof(TQ_ATTN, _TRANSPOSE),
                                          Proof(TQ_ATTN, "self._soa_store = self._use_flydsl"))),
-        Support(">=0.34.0", "applies",
+        Support("==0.34.0", "applies",
                 "as on 0.28.0-0.33.0 on Model Runner V2, the only runner left (V1 removed): the backend's "
                 "UNIFORM_BATCH graph support, supports_spec_as_decode=False, is_prefill=(max_query_len > 1) "
                 "and the prefill loop are unchanged, V2's dummy verify batch still has seq_len == q_len, and "
@@ -156,6 +156,10 @@ SPEC = PatchSpec(
                  "(supports_spec_as_decode=True with a multi-query kernel); 0.33.0 does not yet."),
     shown_by=("tq_verify_as_decode_batches", "tq_exact_seq_lens_batches"),
     platforms=("cuda",),
+    beyond_matrix="carry",
+    beyond_matrix_why=("its proofs pin the TurboQuant backend's verify path, cache layout and store kernel that its "
+                       "wrapper relies on; where they hold it is the wrap proven on the newest release, and without "
+                       "it verify batches are silently wrong under full CUDA graphs"),
 )
 
 _FIRST = threading.Event()

@@ -87,7 +87,7 @@ SPEC = PatchSpec(
                 "allocator Model Runner V2 uses)",
                 (Proof(IFACE, 'startswith("turboquant_"):\n        return KVQuantMode[kv_cache_dtype.upper()]'),
                  Proof(ATTN_LAYER, "kv_quant_mode=quant_mode,"))),
-        Support(">=0.34.0", "not-needed",
+        Support("==0.34.0", "not-needed",
                 "retired: vLLM 0.34.0 removed the V1 model runner whose KV-cache reshape this patch fixes "
                 "(v1/worker/gpu_model_runner.py is gone; VLLM_USE_V2_MODEL_RUNNER other than 1 is refused)",
                 (Proof("platforms/interface.py", "Model Runner V1 has been removed"),)),
@@ -97,6 +97,9 @@ SPEC = PatchSpec(
                 "KVQuantMode there)",
     shown_by=("tq_v1_kv_shape_fixed",),
     platforms=("cuda",),
+    beyond_matrix="never",
+    beyond_matrix_why=("it changes the dtype the V1 runner shapes TurboQuant KV caches with, and a wrong shape "
+                       "corrupts the KV cache; upstream-merged since 0.27.0 anyway"),
 )
 
 _SCOPE = threading.local()  # the configured cache dtype while V1's reshape runs in this thread

@@ -87,6 +87,11 @@ def _note_runner(runner: Any) -> None:
             "num_speculative_tokens": int(getattr(getattr(runner, "speculative_config", None),
                                                   "num_speculative_tokens", 0) or 0),
             "profile_run_cap": int(settings.value("VLLM_OVERLAY_PROFILE_RUN_CAP")),
+            # how the scheduler chunks prefills (the band stress plans its waves from these)
+            "block_size": int(getattr(runner.cache_config, "block_size", 0) or 0),
+            "mamba_cache_mode": str(getattr(runner.cache_config, "mamba_cache_mode", "none") or "none"),
+            "long_prefill_token_threshold": int(getattr(runner.scheduler_config,
+                                                        "long_prefill_token_threshold", 0) or 0),
         }
         if getattr(runner, "max_num_tokens", None) is not None:
             budget.note_runner_limit(runner.vllm_config, runner.max_num_tokens)

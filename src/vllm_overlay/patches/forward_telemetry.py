@@ -71,6 +71,11 @@ def _note_runner(runner: Any) -> None:
     """engine_config describes the live runner (a later engine in the same process replaces it)."""
     ref = _noted[0]
     if STATE.engine_config and ref is not None and ref() is runner:
+        # the hybrid page planner raises the block size after the runner is built: keep it live
+        block = int(getattr(getattr(runner, "cache_config", None), "block_size", 0) or 0)
+        if block and STATE.engine_config.get("block_size") not in (None, block):
+            STATE.engine_config = {**STATE.engine_config, "block_size": block}
+            STATE.dirty = True
         return
     try:
         _noted[0] = weakref.ref(runner)

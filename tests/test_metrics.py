@@ -257,6 +257,28 @@ def test_metrics_match_the_reports_in_both_directions(served) -> None:  # type: 
         text = resp.read().decode()
     assert "vllm:" in text and "vllm_overlay_guard_trips_total" in text
 
+    # every vllm_overlay_ series' labels read back against the reports of this server
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from vllm_overlay.metrics import buffer_labels
+
+    reports = {str(r["pid"]): r for r in load_reports(server.reports)}
+    checked = 0
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            if not smp.name.startswith("vllm_overlay_") or "pid" not in smp.labels or "role" not in smp.labels:
+                continue
+            rep = reports.get(smp.labels["pid"])
+            assert rep is not None and rep["role"] == smp.labels["role"], (smp, sorted(reports))
+            if smp.name.startswith("vllm_overlay_gdn_buffer_"):
+                got = [smp.labels[k] for k in ("engine", "device", "dtype", "shape", "source")]
+                assert got in [buffer_labels(b) for b in rep["buffers"]], (got, rep["buffers"])
+                assert got[0].startswith("config-") and got[1] == "cpu" and got[2] == "torch.bfloat16", got
+            if smp.name == "vllm_overlay_patch_info":
+                assert rep["patches"][smp.labels["patch"]]["status"] == smp.labels["status"], smp
+            checked += 1
+    assert checked > 10
+
     # a band /metrics cannot count exactly is refused before any traffic
     p = stress(["--url", server.url, "--band", "1000,2048", "--out", str(root / "out-bad")])
     assert p.returncode == 2 and "not a bucket edge" in p.stdout, p.stdout[-2000:]

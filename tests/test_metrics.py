@@ -20,7 +20,7 @@ from vllm_overlay.telemetry import in_band, merge_sizes
 def report(pid: int, server: str, sizes: dict[int, int], tp_rank: int | None = 0, **extra):  # type: ignore[no-untyped-def]
     rep = {"pid": pid, "server_id": server, "role": f"engine core + worker rank {tp_rank}", "tp_rank": tp_rank,
            "counters": {"guard_checks": sum(sizes.values()), "guard_trips": 0},
-           "buffers": [{"key": ["cpu", "torch.bfloat16", 4, 64], "rows": 3000, "source": "live", "bytes": 1536000,
+           "buffers": [{"key": ["config-7fdda29fb7d0", "cpu", "torch.bfloat16", 4, 64], "rows": 3000, "source": "live", "bytes": 1536000,
                         "layers": 3}],
            "patches": {"forward-telemetry": {"status": "applied"}, "hybrid-turboquant": {"status": "failed"}},
            "engine_config": {"max_num_batched_tokens": 3000, "max_model_len": 8192, "max_num_seqs": 32, "model": "m"},
@@ -60,6 +60,8 @@ def test_collector_reads_only_this_servers_reports(tmp_path) -> None:  # type: i
     assert 'vllm_overlay_patch_info{patch="hybrid-turboquant",pid="12",role="engine core + worker rank 1",' \
            'status="failed"} 1.0' in text
     assert 'vllm_overlay_gdn_buffer_bytes{' in text and s.buffer_rows == [3000, 3000]
+    assert 'vllm_overlay_gdn_buffer_rows{device="cpu",dtype="torch.bfloat16",engine="config-7fdda29fb7d0",pid="11",' \
+           'role="engine core + worker rank 0",shape="4x64",source="live"} 3000.0' in text
     assert s.engine_config["max_num_batched_tokens"] == 3000 and s.engine_config["server_id"] == "srv-a"
     assert set(s.processes) == {"11", "12"}
     # a file of no server's (an older release's name) is never opened; a changed file is re-read
@@ -254,6 +256,28 @@ def test_metrics_match_the_reports_in_both_directions(served) -> None:  # type: 
     with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as resp:
         text = resp.read().decode()
     assert "vllm:" in text and "vllm_overlay_guard_trips_total" in text
+
+    # every vllm_overlay_ series' labels read back against the reports of this server
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from vllm_overlay.metrics import buffer_labels
+
+    reports = {str(r["pid"]): r for r in load_reports(server.reports)}
+    checked = 0
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            if not smp.name.startswith("vllm_overlay_") or "pid" not in smp.labels or "role" not in smp.labels:
+                continue
+            rep = reports.get(smp.labels["pid"])
+            assert rep is not None and rep["role"] == smp.labels["role"], (smp, sorted(reports))
+            if smp.name.startswith("vllm_overlay_gdn_buffer_"):
+                got = [smp.labels[k] for k in ("engine", "device", "dtype", "shape", "source")]
+                assert got in [buffer_labels(b) for b in rep["buffers"]], (got, rep["buffers"])
+                assert got[0].startswith("config-") and got[1] == "cpu" and got[2] == "torch.bfloat16", got
+            if smp.name == "vllm_overlay_patch_info":
+                assert rep["patches"][smp.labels["patch"]]["status"] == smp.labels["status"], smp
+            checked += 1
+    assert checked > 10
 
     # a band /metrics cannot count exactly is refused before any traffic
     p = stress(["--url", server.url, "--band", "1000,2048", "--out", str(root / "out-bad")])

@@ -54,7 +54,10 @@ def test_offline_reaches_the_band(tmp_path, lo: int, hi: int) -> None:  # type: 
     assert res["requests_failed"] == 0 and res["guard_trips"] == 0
     assert lo < res["max_forward"] <= hi
     assert res["gdn_buffer_rows"] == hi
-    assert "plan: band" in p.stdout and "PASSED" in p.stdout
+    assert "plan (from the engine's chunking): band" in p.stdout and "PASSED" in p.stdout
+    # the planned forwards are the ones the scheduler made, one shape per band quarter, the top >= 95 % of HI
+    assert res["plan_vs_seen"] == [] and res["top_quarter_covered"] and res["max_forward_share_of_hi"] >= 0.95
+    assert all(q["forwards"] > 0 for q in res["band_quarters"]), res["band_quarters"]
     # piped: a progress line per 10 % of the waves, the warm-up named and kept off the clock
     lines = p.stdout.splitlines()
     assert any(ln.startswith("warm-up wave done after ") for ln in lines), p.stdout[-3000:]

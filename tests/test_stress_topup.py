@@ -20,10 +20,11 @@ from vllm_overlay.stress.plan import Limits, make_plan
 
 
 class StandIn:
-    """Counts the prefill requests of timed waves (ids are not sent, so count prompt lengths)."""
+    """Counts the wave prefill requests (ids are not sent: a wave prefill asks for
+    plan.prefill_out_tokens tokens, a decode stream for plan.decode_out_tokens)."""
 
-    def __init__(self, prompt_tokens: int) -> None:
-        self.prompt_tokens = prompt_tokens
+    def __init__(self, prefill_out_tokens: int) -> None:
+        self.prefill_out_tokens = prefill_out_tokens
         self.prefills = 0
         self.url = ""
         self.loop = asyncio.new_event_loop()
@@ -40,7 +41,7 @@ class StandIn:
 
         async def completions(req: web.Request) -> web.StreamResponse:
             body = await req.json()
-            if len(body["prompt"]) == self.prompt_tokens:
+            if body["max_tokens"] == self.prefill_out_tokens:
                 self.prefills += 1
             resp = web.StreamResponse()
             await resp.prepare(req)
@@ -70,20 +71,25 @@ class StandIn:
 @pytest.fixture(scope="module")
 def plan_and_server() -> Iterator[tuple[object, StandIn]]:
     plan = make_plan(1024, 2048, Limits(2048, 8192, 32), 10, None)
-    yield plan, StandIn(plan.prompt_tokens)
+    assert plan.prefill_out_tokens != plan.decode_out_tokens
+    yield plan, StandIn(plan.prefill_out_tokens)
 
 
-def run(plan, standin: StandIn, landed_per_wave: float, monkeypatch) -> tuple[object, list[str]]:  # type: ignore[no-untyped-def]
+def run(plan, standin: StandIn, landed_per_wave: float, monkeypatch,  # type: ignore[no-untyped-def]
+        top_count=None) -> tuple[object, list[str]]:
     monkeypatch.setattr(server, "FLUSH_S", 0.0)
     notes: list[str] = []
     standin.prefills = 0
-    k = plan.prefills_per_wave
+    waves = [0]  # timed waves served (the warm-up wave is not the run's: the harness subtracts it too)
 
-    def band_count() -> int:  # the warm-up wave is not the run's: the harness subtracts it too
-        return int(max(0, standin.prefills // k - 1) * landed_per_wave)
+    def band_count() -> int:
+        return int(waves[0] * landed_per_wave)
 
-    out = server.run(standin.url, plan, None, 0, lambda d, t: None,
-                     topup=server.TopUp(band_count, 10, notes.append))
+    def progress(done: int, _total: int) -> None:
+        waves[0] = done
+
+    out = server.run(standin.url, plan, None, 0, progress,
+                     topup=server.TopUp(band_count, 10, notes.append, top_count))
     return out, notes
 
 
@@ -107,3 +113,14 @@ def test_topup_stops_at_its_limit_and_says_so(plan_and_server, monkeypatch) -> N
     out, notes = run(plan, standin, 0.0, monkeypatch)  # nothing ever lands
     assert len(out.wave_s) == server.TOPUP_FACTOR * plan.waves
     assert "top-up stopped" in notes[-1] and f"{server.TOPUP_FACTOR} x the {plan.waves} planned" in notes[-1]
+
+
+def test_waves_are_added_until_the_top_quarter_is_reached(plan_and_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    plan, standin = plan_and_server
+    tops = iter([0, 0, 1])  # no top-quarter forward after the planned waves, nor after one more cycle
+    out, notes = run(plan, standin, 1.0, monkeypatch, top_count=lambda: next(tops))
+    assert out.topup_waves > 0 and all("top quarter" in n for n in notes) and len(notes) == 2
+    # each top-up ends on a wave of the top shape (shape 0): wave w has shapes[w % n]
+    assert (len(out.wave_s) - 1) % len(plan.shapes) == 0
+    out, notes = run(plan, standin, 1.0, monkeypatch, top_count=lambda: 0)
+    assert len(out.wave_s) == server.TOPUP_FACTOR * plan.waves and "no forward in the band's top quarter" in notes[-1]

@@ -12,10 +12,38 @@ __all__ = ["register", "revert", "flush", "__version__"]
 
 
 def register() -> None:
-    """Apply the registry's patches in this process (re-entrant, idempotent)."""
-    from vllm_overlay.core import register as _register
+    """Apply the registry's patches in this process (re-entrant, idempotent).
 
-    _register()
+    A bad setting (or a switch naming an unknown patch, a conflict, a strict-mode refusal) raises
+    its named error. In a vLLM server process (``vllm serve``, ``python -m vllm.entrypoints...``)
+    it stops the server instead with that one ERROR line and exit code 2: vLLM calls plugins
+    without catching, so the error would otherwise end in a 20-line traceback."""
+    from vllm_overlay.core import register as _register
+    from vllm_overlay.errors import OverlayError
+
+    try:
+        _register()
+    except OverlayError as exc:
+        if not _vllm_cli():
+            raise
+        import logging
+
+        from vllm_overlay import logs
+
+        logs.setup()
+        logging.getLogger("vllm_overlay").error("%s; the server is not started", exc)
+        raise SystemExit(2) from None
+
+
+def _vllm_cli() -> bool:
+    """Whether this process is vLLM's command line (``vllm serve``) or one of its entrypoints."""
+    import os
+    import sys
+
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and str(getattr(spec, "name", "")).startswith("vllm.entrypoints"):
+        return True
+    return bool(sys.argv) and os.path.basename(sys.argv[0]) == "vllm"
 
 
 def revert() -> list[str]:

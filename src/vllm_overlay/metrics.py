@@ -17,8 +17,8 @@ Series (all prefixed ``vllm_overlay_``):
   the server's engines, tensor-parallel rank 0 only (the other ranks run the same forwards).
   Buckets: every power of two from 1 to 2**20, plus this server's own band edges
   (max_num_batched_tokens and half of it, the profile cap, the explicit token budgets, the GDN
-  buffer rows), so that the forwards in the stress harness's default band are an exact
-  difference of two buckets. Exact per-size counts stay in the JSON reports: one series per
+  buffer rows, the inner quarter edges of each default band), so that the forwards in the stress
+  harness's default band, and in each of its quarters, are an exact difference of two buckets. Exact per-size counts stay in the JSON reports: one series per
   size would be thousands of series.
 - ``forward_max_scheduled_tokens`` gauge: the largest real forward since the server started.
 - ``guard_checks_total`` / ``guard_trips_total`` counters, per process (``role``, ``pid``).
@@ -123,11 +123,14 @@ class ReportCache:
 def bucket_edges(reports: list[dict[str, Any]]) -> list[int]:
     """Powers of two plus this server's own band edges (see the module docstring)."""
     edges = set(POW2_EDGES)
+    tops: set[int] = set()
     for rep in reports:
         mnbt = (rep.get("engine_config") or {}).get("max_num_batched_tokens")
         if isinstance(mnbt, int) and mnbt > 0:
             edges.update((mnbt, mnbt // 2))
+            tops.add(mnbt)
         edges.update(int(b["rows"]) for b in rep.get("buffers", []) if b.get("rows"))
+    lows = {t // 2 for t in tops}
     for name in ("VLLM_OVERLAY_PROFILE_RUN_CAP", "VLLM_OVERLAY_PREALLOC_TOKEN_BUDGET",
                  "VLLM_OVERLAY_GDN_MAX_BATCHED_TOKENS"):
         try:
@@ -136,7 +139,23 @@ def bucket_edges(reports: list[dict[str, Any]]) -> list[int]:
             continue
         if value:
             edges.add(int(value))
+            lows.add(int(value))
+    # the quarter edges of the stress's default bands, (low, mnbt], so /metrics counts each quarter
+    for top in tops:
+        for low in lows:
+            if 0 <= low < top:
+                edges.update(low + (top - low) * i // 4 for i in (1, 2, 3))
     return sorted(e for e in edges if e > 0)
+
+
+def buffer_labels(buf: dict[str, Any]) -> list[str]:
+    """(engine, device, dtype, shape, source) of a GDN buffer's report entry. Its key is
+    (engine, device, dtype, heads, head_dim); the engine is the config id (``config-<hex>``)."""
+    key = [str(k) for k in (buf.get("key") or [])]
+    if len(key) == 4:  # reports written before the key named its engine
+        key = [str(buf.get("engine", "")), *key]
+    key = (key + ["", "", "", "", ""])[:5]
+    return [key[0], key[1], key[2], f"{key[3]}x{key[4]}", str(buf.get("source", ""))]
 
 
 def families(reports: list[dict[str, Any]], server: str | None,
@@ -171,9 +190,9 @@ def families(reports: list[dict[str, Any]], server: str | None,
                                 "Capacity guard trips: a forward larger than the GDN buffer, refused.",
                                 labels=["role", "pid"])
     rows = GaugeMetricFamily(PREFIX + "gdn_buffer_rows", "Token rows of a preallocated GDN output buffer.",
-                             labels=["role", "pid", "device", "dtype", "shape", "source"])
+                             labels=["role", "pid", "engine", "device", "dtype", "shape", "source"])
     size = GaugeMetricFamily(PREFIX + "gdn_buffer_bytes", "Bytes of a preallocated GDN output buffer.",
-                             labels=["role", "pid", "device", "dtype", "shape", "source"])
+                             labels=["role", "pid", "engine", "device", "dtype", "shape", "source"])
     info = InfoMetricFamily(PREFIX + "patch", "One series per patch and process: its status there.",
                             labels=["patch", "status", "role", "pid"])
     age = GaugeMetricFamily(PREFIX + "report_age_seconds",
@@ -192,8 +211,7 @@ def families(reports: list[dict[str, Any]], server: str | None,
         checks.add_metric([role, pid], int(counters.get("guard_checks", 0)))
         trips.add_metric([role, pid], int(counters.get("guard_trips", 0)))
         for b in rep.get("buffers", []):
-            key = list(b.get("key") or []) + ["", "", "", ""]
-            labels = [role, pid, str(key[0]), str(key[1]), f"{key[2]}x{key[3]}", str(b.get("source", ""))]
+            labels = [role, pid, *buffer_labels(b)]
             rows.add_metric(labels, int(b.get("rows", 0)))
             size.add_metric(labels, int(b.get("bytes", 0)))
         for patch_id, rec in sorted((rep.get("patches") or {}).items()):

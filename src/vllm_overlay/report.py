@@ -163,6 +163,8 @@ class ProcessState:
             return "worker"
         main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
         main_name = getattr(main_spec, "name", "") or (sys.argv[0] if sys.argv else "")
+        if main_name == "vllm.model_executor.models.registry":  # vLLM inspects a model class in a subprocess
+            return "model inspection"
         if ("APIServer" in title or "APIServer" in name or (len(sys.argv) > 1 and sys.argv[1] == "serve")
                 or "api_server" in main_name):
             return "api server"

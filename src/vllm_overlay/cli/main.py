@@ -1,4 +1,4 @@
-"""`vllm-overlay` entry point: plan, matrix, verify, doctor, report, stress, demo, tune-moe."""
+"""`vllm-overlay` entry point: plan, matrix, verify, doctor, report, stress, demo, tune-moe, serve."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ class _Formatter(argparse.HelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from vllm_overlay.cli import demo, doctor, matrix, plan, report, stress, tune_moe, verify
+    from vllm_overlay.cli import demo, doctor, matrix, plan, report, serve, stress, tune_moe, verify
 
     parser = argparse.ArgumentParser(
         prog="vllm-overlay",
@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_Formatter,
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for mod in (plan, matrix, verify, doctor, report, stress, demo, tune_moe):
+    for mod in (plan, matrix, verify, doctor, report, stress, demo, tune_moe, serve):
         mod.add_parser(sub)
     for p in sub.choices.values():
         if p.formatter_class is argparse.HelpFormatter:  # a command's own formatter (raw text, say) stays
@@ -42,6 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:  # every argument after `serve` is vLLM's, --help included
+        from vllm_overlay.cli import serve
+
+        return serve.run(argparse.Namespace(args=argv[1:]))
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

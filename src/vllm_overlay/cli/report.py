@@ -1,4 +1,5 @@
-"""`vllm-overlay report DIR`: pretty-print the JSON reports of a run."""
+"""`vllm-overlay report DIR`: pretty-print the JSON reports of one server (the newest, or
+``--server-id ID``), or of every server and run in DIR (``--all``)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,27 @@ from vllm_overlay.telemetry import bucket_counts, merge_sizes
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("report", help="pretty-print the JSON reports in DIR (exit 1 when a worker rank sent none)")
+    p = sub.add_parser("report", help="pretty-print one server's JSON reports in DIR: the newest server's, unless "
+                                      "--server-id or --all (exit 1 when a worker rank sent none)")
     p.add_argument("dir", metavar="DIR", help="a VLLM_OVERLAY_REPORT_DIR")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--server-id", metavar="ID", default=None,
+                       help="the reports of this server (its VLLM_OVERLAY_SERVER_ID, on /metrics as server_id)")
+    which.add_argument("--all", action="store_true", help="every report in DIR, of every server and run")
     p.set_defaults(func=run)
+
+
+def servers(reports: list[dict[str, Any]]) -> dict[str | None, dict[str, Any]]:
+    """Each server id in the reports (None: reports without one) -> its process count and newest write."""
+    out: dict[str | None, dict[str, Any]] = {}
+    for r in reports:
+        sid = r.get("server_id") if isinstance(r.get("server_id"), str) else None
+        s = out.setdefault(sid, {"processes": 0, "written": 0.0})
+        s["processes"] += 1
+        w = r.get("written")
+        if isinstance(w, (int, float)) and w > s["written"]:
+            s["written"] = float(w)
+    return out
 
 
 def print_reports(out: Out, reports: list[dict[str, Any]]) -> None:
@@ -91,9 +110,28 @@ def runner_lines(reports: list[dict[str, Any]]) -> list[tuple[str, str | None]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    found = scan(args.dir)
-    reports = found.reports
     out = Out()
+    found = scan(args.dir)
+    known = servers(found.reports)
+    if not getattr(args, "all", False) and known:
+        sid = getattr(args, "server_id", None)
+        if sid is None:  # the newest server: the one whose processes wrote last
+            sid = max(known, key=lambda k: known[k]["written"])
+        elif sid not in known:
+            shown = ", ".join(str(k) for k in known)
+            out.line(f"--server-id {sid!r}: no report in {args.dir} carries that server id; there: {shown}",
+                     "error")
+            return 2
+        found = scan(args.dir, server=sid)
+        others = {k: v for k, v in known.items() if k != sid}
+        line = f"server {sid}: {known[sid]['processes']} process report(s)"
+        if others:
+            names = ", ".join(f"{k} ({v['processes']})" for k, v in list(others.items())[:3])
+            more = f" and {len(others) - 3} more" if len(others) > 3 else ""
+            line += (f"; not shown: {sum(v['processes'] for v in others.values())} report(s) of {len(others)} "
+                     f"other server(s) or run(s): {names}{more} (--all shows every one, --server-id ID one)")
+        out.line(line)
+    reports = found.reports
     for path, why in sorted(found.skipped.items()):
         out.line(f"skipped {path}: not a report ({why})", "warning")
     if not reports:

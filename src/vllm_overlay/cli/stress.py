@@ -112,6 +112,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="server mode: the API key the server was started with (vLLM's --api-key); default: "
                         "VLLM_API_KEY, as vLLM reads it. It is sent, never written to stress.json")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--allow-partial-band", action="store_true",
+                   help="PASSED even without a forward in the band's top quarter (the verdict names it a "
+                        "partial band); without it such a run is DID NOT TEST")
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -123,7 +126,7 @@ def options(args: argparse.Namespace):  # type: ignore[no-untyped-def]
                    min_band_forwards=args.min_band_forwards, requests=args.requests,
                    duration=args.duration, out=args.out, report_dir=args.report_dir, seed=args.seed,
                    server_id=args.server_id,
-                   telemetry=args.telemetry,
+                   telemetry=args.telemetry, allow_partial_band=args.allow_partial_band,
                    api_key=args.api_key or os.environ.get("VLLM_API_KEY") or None,
                    engine_args=engine_args(args))
 

@@ -88,6 +88,11 @@ def _note_runner(runner: Any) -> None:
     """engine_config describes the live runner (a later engine in the same process replaces it)."""
     ref = _noted[0]
     if STATE.engine_config and ref is not None and ref() is runner:
+        # the hybrid page planner raises the block size after the runner is built: keep it live
+        block = int(getattr(getattr(runner, "cache_config", None), "block_size", 0) or 0)
+        if block and STATE.engine_config.get("block_size") not in (None, block):
+            STATE.engine_config = {**STATE.engine_config, "block_size": block}
+            STATE.dirty = True
         return
     try:
         _noted[0] = weakref.ref(runner)
@@ -104,6 +109,11 @@ def _note_runner(runner: Any) -> None:
             "num_speculative_tokens": int(getattr(getattr(runner, "speculative_config", None),
                                                   "num_speculative_tokens", 0) or 0),
             "profile_run_cap": int(settings.value("VLLM_OVERLAY_PROFILE_RUN_CAP")),
+            # how the scheduler chunks prefills (the band stress plans its waves from these)
+            "block_size": int(getattr(runner.cache_config, "block_size", 0) or 0),
+            "mamba_cache_mode": str(getattr(runner.cache_config, "mamba_cache_mode", "none") or "none"),
+            "long_prefill_token_threshold": int(getattr(runner.scheduler_config,
+                                                        "long_prefill_token_threshold", 0) or 0),
         }
         if getattr(runner, "max_num_tokens", None) is not None:
             budget.note_runner_limit(runner.vllm_config, runner.max_num_tokens)

@@ -73,6 +73,7 @@ def run(llm: Any, plan: Plan, duration_s: float | None, seed: int,
     pre_params = SamplingParams(max_tokens=plan.prefill_out_tokens, temperature=0, ignore_eos=True,
                                 detokenize=False)
     submitted: dict[str, float] = {}
+    current = {i: f"decode-{i}-0" for i in range(plan.decode_streams)}  # each stream's live request
     first_token: dict[str, float] = {}
     finished: set[str] = set()
     wave_ids: set[str] = set()
@@ -97,7 +98,8 @@ def run(llm: Any, plan: Plan, duration_s: float | None, seed: int,
                 if rid.startswith("decode-") and renewing:
                     i = int(rid.split("-")[1])
                     streams[i] += 1
-                    add(f"decode-{i}-{streams[i]}", 32, dec_params)
+                    current[i] = f"decode-{i}-{streams[i]}"
+                    add(current[i], 32, dec_params)
 
     t0 = time.perf_counter()
     try:
@@ -105,9 +107,9 @@ def run(llm: Any, plan: Plan, duration_s: float | None, seed: int,
             add(f"decode-{i}-0", 32, dec_params)
         while any(f"decode-{i}-0" not in first_token for i in streams):
             step()
-        warm = [f"warmup-{j}" for j in range(plan.prefills_per_wave)]
-        for rid in warm:
-            add(rid, plan.prompt_tokens, pre_params)
+        warm = [f"warmup-{j}" for j in range(len(plan.shape(0).prompts))]
+        for rid, n in zip(warm, plan.shape(0).prompts):
+            add(rid, n, pre_params)
         while not all(rid in finished for rid in warm):
             step()
         out.warmup_s = time.perf_counter() - t0
@@ -119,9 +121,14 @@ def run(llm: Any, plan: Plan, duration_s: float | None, seed: int,
             if duration_s is not None and time.perf_counter() - t0 > duration_s:
                 break
             tw = time.perf_counter()
-            ids = [f"wave{w}-{j}" for j in range(plan.prefills_per_wave)]
-            for rid in ids:
-                add(rid, plan.prompt_tokens, pre_params)
+            # a renewed decode stream's prompt would share the wave's step: let it prefill first,
+            # so the wave's step is the planned forward (decodes + the prompts' first chunks)
+            while any(rid not in first_token and rid not in finished for rid in current.values()):
+                step()
+            shape = plan.shape(w)
+            ids = [f"wave{w}-{j}" for j in range(len(shape.prompts))]
+            for rid, n in zip(ids, shape.prompts):
+                add(rid, n, pre_params)
             wave_ids.update(ids)
             while not all(rid in finished for rid in ids):
                 step()

@@ -38,6 +38,7 @@ class Options:
     api_key: str | None = None  # server mode: the server's --api-key (never written to stress.json)
     seed: int = 0
     engine_args: dict[str, Any] = field(default_factory=dict)
+    allow_partial_band: bool = False  # PASSED without a forward in the band's top quarter (said in the verdict)
 
 
 def default_band(mnbt: int, server_cap: int | None = None) -> tuple[int, int]:
@@ -58,9 +59,13 @@ def summary_rows(result: dict[str, Any]) -> list[list[str]]:
         return "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))
 
     lo, hi = result["band"]
-    return [[label, fmt(result.get(key))] for label, key in (
+    quarters = {f"_q{q['quarter']}": q["forwards"] for q in result.get("band_quarters") or []}
+    return [[label, fmt(quarters[key] if key in quarters else result.get(key))] for label, key in (
         (f"band forwards in ({lo}, {hi}]", "band_forwards"), ("forwards (all)", "forwards"),
-        ("max forward size", "max_forward"), ("guard fallbacks (trips)", "guard_trips"),
+        ("max forward size", "max_forward"), ("max forward / HI", "max_forward_share_of_hi"),
+        *((f"band quarter {q['quarter']} ({q['range'][0]}, {q['range'][1]}]", f"_q{q['quarter']}")
+          for q in result.get("band_quarters") or []),
+        ("guard fallbacks (trips)", "guard_trips"),
         ("requests ok", "requests_ok"), ("requests failed", "requests_failed"),
         ("generated tokens/s", "tokens_per_s"), ("p50 TTFT of band prefills (s)", "ttft_p50_s"),
         ("p99 TTFT of band prefills (s)", "ttft_p99_s"), ("warm-up wave, before the clock (s)", "warmup_s"),
@@ -109,6 +114,47 @@ def make_out_dir(path: str) -> None:
     if not os.path.exists(marker):
         with open(marker, "w") as f:
             f.write("# written by vllm-overlay: run outputs, not sources\n*\n")
+
+
+def with_chunking(limits: planmod.Limits, cfg: dict[str, Any], source: str) -> planmod.Limits:
+    """The limits with the scheduler's chunking and speculative tokens from an engine config
+    (``block_size``, ``mamba_cache_mode``, ``num_speculative_tokens``), where it names them."""
+    from dataclasses import replace
+
+    block = cfg.get("block_size")
+    if not isinstance(block, int) or block <= 0:
+        return limits
+    spec = cfg.get("num_speculative_tokens")
+    return replace(limits, block_size=block, mamba_aligned=cfg.get("mamba_cache_mode") == "align",
+                   spec_tokens=spec if isinstance(spec, int) and spec > 0 else 0, chunking_source=source)
+
+
+def engine_chunking(llm: Any) -> dict[str, Any]:
+    """block_size, mamba_cache_mode and num_speculative_tokens of an in-process engine ({} if unread)."""
+    try:
+        cfg = llm.llm_engine.vllm_config
+        spec = getattr(cfg, "speculative_config", None)
+        return {"block_size": int(cfg.cache_config.block_size),
+                "mamba_cache_mode": str(getattr(cfg.cache_config, "mamba_cache_mode", "none")),
+                "num_speculative_tokens": int(getattr(spec, "num_speculative_tokens", 0) or 0)}
+    except Exception:  # noqa: BLE001 - an engine without these fields: the nominal plan stands
+        return {}
+
+
+def plan_vs_seen(plan: planmod.Plan, sizes: dict[int, int], exact: bool) -> list[str]:
+    """A line for each planned forward size that no forward of the run had, saying why it can differ."""
+    if not exact:
+        return []
+    lines = []
+    for sh in plan.shapes:
+        if sizes.get(sh.forward):
+            continue
+        near = [s for s in sizes if plan.lo < s <= plan.hi]
+        seen = f"band forwards seen: {min(near)}..{max(near)}" if near else "no band forward seen"
+        lines.append(f"planned forward {sh.forward} ({len(sh.prompts)} prompts) not seen ({seen}): over HTTP a "
+                     "wave's prompts can reach the engine in different steps, and a decode stream's renewal "
+                     "or a speculative token can share the step")
+    return lines
 
 
 def _limits_offline(engine_args: dict[str, Any]) -> planmod.Limits:
@@ -171,14 +217,15 @@ def _execute(opts: Options, out: Out) -> dict[str, Any]:
             live = {}
             for rep in sorted(found.reports, key=lambda r: r.get("written", 0)):
                 live.update(rep.get("engine_config") or {})
-        limits = server_limits(report_dir, opts.engine_args, live)
+        limits = with_chunking(server_limits(report_dir, opts.engine_args, live), live,
+                               "the server's engine config")
         if isinstance(live.get("profile_run_cap"), int):
             server_cap = int(live["profile_run_cap"])
     lo, hi = opts.band or default_band(limits.max_num_batched_tokens, server_cap)
     if not opts.model and first is not None:
         _check_band_edges(lo, hi, first)
     plan = planmod.make_plan(lo, hi, limits, opts.min_band_forwards, opts.requests)
-    out.line(f"plan: {plan.describe()}")
+    out.line(f"plan{' (before the boot: nominal chunking)' if opts.model else ''}: {plan.describe()}")
     out.line(f"limits: max_num_batched_tokens {limits.max_num_batched_tokens}, max_model_len "
              f"{limits.max_model_len}, max_num_seqs {limits.max_num_seqs}; "
              f"{'telemetry' if first is not None else 'reports'}: {report_dir}")
@@ -198,6 +245,14 @@ def _execute(opts: Options, out: Out) -> dict[str, Any]:
             outcome = Outcome(engine_error=f"boot failed: {type(exc).__name__}: {exc}")
             llm = None
         boot_s = time.perf_counter() - t0
+        if llm is not None and (chunking := engine_chunking(llm)):
+            try:
+                plan = planmod.make_plan(lo, hi, with_chunking(limits, chunking, "the engine's config"),
+                                         opts.min_band_forwards, opts.requests)
+                out.line(f"plan (from the engine's chunking): {plan.describe()}")
+            except planmod.UsageError as exc:
+                out.line(f"plan kept as printed: the engine's chunking ({chunking}) allows no other ({exc})",
+                         "warning")
         before: dict[int, int] = {}
     elif first is None:
         before = merge_sizes(scan(report_dir, server=sid, live=True).reports) if os.path.isdir(report_dir) else {}
@@ -240,7 +295,23 @@ def _execute(opts: Options, out: Out) -> dict[str, Any]:
                 return in_band(sizes_delta(before, now), lo, hi)
 
             # --requests fixes the traffic; otherwise waves are added until the band is reached
-            topup = None if opts.requests is not None else server.TopUp(band_count, opts.min_band_forwards, tick.note)
+            def top_count() -> int:
+                # forwards of this run in the band's top quarter, read as the verdict will read them
+                q3 = planmod.quarter_edges(lo, hi)[3]
+                try:
+                    if first is not None:
+                        now = metrics_text.scrape(base, timeout=10, api_key=opts.api_key)
+                        if q3 in now.buckets and q3 in first.buckets:
+                            return now.band(q3, hi) - first.band(q3, hi)
+                        return int(now.max_forward > max(first.max_forward, q3))
+                except (OSError, ValueError, KeyError):
+                    return 1  # no top-up on an unreadable /metrics; the verdict says what it saw
+                now_sizes = merge_sizes(scan(report_dir, since, sid).reports if os.path.isdir(report_dir) else [])
+                return in_band(sizes_delta(before, now_sizes), q3, hi)
+
+            topup = None if opts.requests is not None else server.TopUp(
+                band_count, opts.min_band_forwards, tick.note,
+                None if opts.allow_partial_band else top_count)
             outcome = server.run(base, plan, opts.duration, opts.seed, tick,
                                  alive=lambda: server.health_error(base, opts.api_key), after_warmup=after_warmup,
                                  topup=topup, api_key=opts.api_key, preflight_end=preflight_end)
@@ -254,12 +325,13 @@ def _execute(opts: Options, out: Out) -> dict[str, Any]:
             not_counted += _name_not_counted(out, report_dir, sid, late)
         sizes = sizes_delta(before, merge_sizes(reports))
         budgets = [b["rows"] for r in reports for b in r.get("buffers", [])]
-        result = judge(lo, hi, opts.min_band_forwards, sizes, outcome, reports)
+        result = judge(lo, hi, opts.min_band_forwards, sizes, outcome, reports, opts.allow_partial_band)
         if sid is not None and (line := shared_line(sid, final.servers())) is not None:
             _not_judged(result, _shared_refusal(sid, line))
     else:
         reports, sizes, budgets, max_forward, exact, servers_n = _read_metrics(base, first, opts.api_key)
-        result = judge(lo, hi, opts.min_band_forwards, sizes, outcome, reports)
+        result = judge(lo, hi, opts.min_band_forwards, sizes, outcome, reports, opts.allow_partial_band,
+                       bucket_edges=sorted(first.buckets), max_forward=max_forward if exact else None)
         if servers_n > 1:
             _not_judged(result, _shared_refusal(sid, f"{base}/metrics counted {servers_n} live servers after the run"))
         # /metrics has buckets, not sizes: `sizes` maps each bucket's upper edge to its forwards.
@@ -284,6 +356,7 @@ def _execute(opts: Options, out: Out) -> dict[str, Any]:
         "reports_not_counted": not_counted,
         "engine_args": opts.engine_args,
     })
+    result["plan_vs_seen"] = plan_vs_seen(plan, sizes, first is None)
     png = os.path.join(opts.out, "forward_sizes.png")
     forward_sizes_png(png, sizes, lo, hi, limits.max_num_batched_tokens, result["gdn_buffer_rows"], cap,
                       f"vllm-overlay stress: {result['verdict']} ({result['band_forwards']} band forwards)")
@@ -292,6 +365,8 @@ def _execute(opts: Options, out: Out) -> dict[str, Any]:
     with open(result["json"], "w") as f:
         json.dump(result, f, indent=1)
     out.table(f"stress: {result['verdict']}", ("measure", "value"), summary_rows(result))
+    for line in result["plan_vs_seen"]:
+        out.line(line)
     for slow in result["slow_waves"]:
         out.line(f"slow wave: wave {slow['wave']} took {slow['s']:.1f} s, more than {SLOW_FACTOR:g} x the "
                  f"median {slow['median_s']:.2f} s", "warning")

@@ -147,11 +147,11 @@ async def _run(base: str, plan: Plan, duration_s: float | None, seed: int,
         # one warm-up wave of the same shape before the clock: a cold server compiles kernels on
         # first use (seen: 104 s for the first MTP wave), which is not what --duration measures
         tw = time.perf_counter()
-        warm = [f"warmup-{j}" for j in range(plan.prefills_per_wave)]
+        warm = [f"warmup-{j}" for j in range(len(plan.shape(0).prompts))]
         try:
             done = await _bounded([
-                _completion(session, base, model, prompt(rng, plan.prompt_tokens, vocab),
-                            plan.prefill_out_tokens, rid, out, {}) for rid in warm],
+                _completion(session, base, model, prompt(rng, n, vocab),
+                            plan.prefill_out_tokens, rid, out, {}) for rid, n in zip(warm, plan.shape(0).prompts)],
                 (duration_s + GRACE_S) if duration_s is not None else STALL_S, "the warm-up wave", duration_s)
         except Stalled as exc:
             out.stalled = str(exc)
@@ -183,12 +183,13 @@ async def _run(base: str, plan: Plan, duration_s: float | None, seed: int,
                 if not can_go_on():
                     break
                 tw = time.perf_counter()
-                ids = [f"wave{w}-{j}" for j in range(plan.prefills_per_wave)]
+                shape = plan.shape(w)
+                ids = [f"wave{w}-{j}" for j in range(len(shape.prompts))]
                 limit = (t0 + duration_s + GRACE_S - tw) if duration_s is not None else STALL_S
                 try:
                     done = await _bounded([
-                        _completion(session, base, model, prompt(rng, plan.prompt_tokens, vocab),
-                                    plan.prefill_out_tokens, rid, out, ttft) for rid in ids],
+                        _completion(session, base, model, prompt(rng, n, vocab),
+                                    plan.prefill_out_tokens, rid, out, ttft) for rid, n in zip(ids, shape.prompts)],
                         limit, f"wave {w + 1}", duration_s)
                 except Stalled as exc:
                     out.stalled = str(exc)
@@ -205,15 +206,26 @@ async def _run(base: str, plan: Plan, duration_s: float | None, seed: int,
                 break
             await asyncio.sleep(FLUSH_S)
             got = await asyncio.get_running_loop().run_in_executor(None, topup.band_count)
+            top = 1 if topup.top_count is None else await asyncio.get_running_loop().run_in_executor(
+                None, topup.top_count)
             limit = TOPUP_FACTOR * plan.waves
-            if got >= topup.min_band or total >= limit:
+            if (got >= topup.min_band and top > 0) or total >= limit:
                 if got < topup.min_band:
                     topup.note(f"top-up stopped: {got} band forward(s) of {topup.min_band} needed after "
                                f"{total} waves, the limit ({TOPUP_FACTOR} x the {plan.waves} planned)")
+                elif top == 0:
+                    topup.note(f"top-up stopped: no forward in the band's top quarter after {total} waves, "
+                               f"the limit ({TOPUP_FACTOR} x the {plan.waves} planned)")
                 break
-            more = min(limit - total, 2 * (topup.min_band - got))
-            topup.note(f"{got} band forward(s) so far, {topup.min_band} needed (a wave's prefills reached "
-                       f"the engine in different steps): {more} more waves")
+            if got < topup.min_band:
+                more = min(limit - total, 2 * (topup.min_band - got))
+                topup.note(f"{got} band forward(s) so far, {topup.min_band} needed (a wave's prefills reached "
+                           f"the engine in different steps): {more} more waves")
+            else:  # up to and including the next wave of the top shape (wave w has shapes[w % n])
+                n = len(plan.shapes)
+                more = min(limit - total, (n - total % n) % n + 1)
+                topup.note(f"no forward in the band's top quarter yet (a wave's prefills reached the engine "
+                           f"in different steps): {more} more waves")
             out.topup_waves += more
             total += more
         await _stop(stop, workers, 0.0 if out.stalled else GRACE_S)
@@ -240,10 +252,12 @@ async def _stop(stop: asyncio.Event, workers: list[Any], grace: float) -> None:
 @dataclass(frozen=True)
 class TopUp:
     """Waves are added after the planned ones while ``band_count()`` (band forwards of this run,
-    read from the server's telemetry) is below ``min_band``; ``note`` prints what is done."""
+    read from the server's telemetry) is below ``min_band`` or ``top_count()`` is 0; ``note``
+    prints what is done."""
     band_count: Callable[[], int]
     min_band: int
     note: Callable[[str], None]
+    top_count: Callable[[], int] | None = None  # forwards of this run in the band's top quarter
 
 
 def run(base: str, plan: Plan, duration_s: float | None, seed: int,

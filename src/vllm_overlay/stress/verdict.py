@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_overlay.stress.plan import quarter_edges
 from vllm_overlay.telemetry import in_band
 
 PASSED, FAILED, BAD_USAGE, DID_NOT_TEST, UNREACHABLE = 0, 1, 2, 3, 4
@@ -60,9 +61,42 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[idx]
 
 
+def band_quarters(sizes: dict[int, int], lo: int, hi: int,
+                  bucket_edges: list[int] | None = None) -> tuple[list[dict[str, Any]], bool]:
+    """Band forwards per quarter of (lo, hi], and whether the counts are exact. With
+    ``bucket_edges`` (sizes keyed by /metrics bucket upper edges) a bucket that straddles a quarter
+    edge counts in the lowest quarter it overlaps, so the top quarter is never claimed wrongly."""
+    e = quarter_edges(lo, hi)
+    counts = [0, 0, 0, 0]
+    exact = True
+    lower = {}
+    if bucket_edges is not None:
+        ordered = sorted(set(bucket_edges) | set(sizes))
+        lower = {b: (ordered[i - 1] if i else 0) for i, b in enumerate(ordered)}
+    for size, n in sizes.items():
+        if not lo < size <= hi:
+            continue
+        q = next(i for i in range(4) if size <= e[i + 1])
+        if bucket_edges is not None:
+            low = max(lower.get(size, 0), lo)
+            first = next(i for i in range(4) if low < e[i + 1])
+            if first != q:
+                exact = False
+            q = first
+        counts[q] += n
+    return [{"quarter": i + 1, "range": [e[i], e[i + 1]], "forwards": counts[i]} for i in range(4)], exact
+
+
 def judge(lo: int, hi: int, min_band: int, sizes: dict[int, int], outcome: Outcome,
-          reports: list[dict[str, Any]]) -> dict[str, Any]:
+          reports: list[dict[str, Any]], allow_partial: bool = False,
+          bucket_edges: list[int] | None = None, max_forward: int | None = None) -> dict[str, Any]:
     band = in_band(sizes, lo, hi)
+    quarters, exact = band_quarters(sizes, lo, hi, bucket_edges)
+    e = quarter_edges(lo, hi)
+    biggest = max_forward if max_forward is not None else (max(sizes) if sizes else None)
+    # a largest forward known exactly (grew during this run) that lies in the top quarter counts too
+    top_hit = quarters[3]["forwards"] > 0 or (max_forward is not None and e[3] < max_forward <= hi)
+    missed = [str(q["quarter"]) for q in quarters if not q["forwards"]]
     trips = sum(int(r.get("counters", {}).get("guard_trips", 0)) for r in reports)
     workers = [r for r in reports if r.get("patches", {}).get("forward-telemetry", {}).get("status") == "applied"]
     if outcome.stalled or outcome.unreachable:
@@ -73,8 +107,18 @@ def judge(lo: int, hi: int, min_band: int, sizes: dict[int, int], outcome: Outco
         code, why = DID_NOT_TEST, "no serving process reported forward telemetry (is the overlay installed there?)"
     elif band < min_band:
         code, why = DID_NOT_TEST, f"only {band} forward(s) landed in ({lo}, {hi}], {min_band} required"
+    elif not top_hit and not allow_partial:
+        code, why = DID_NOT_TEST, (
+            f"{band} forwards in ({lo}, {hi}] but none in its top quarter ({e[3]}, {hi}] (largest forward "
+            f"{biggest}): the sizes where a buffer sized below the top overflows first were not tested; "
+            "--allow-partial-band accepts this")
     else:
         code, why = PASSED, f"{band} forwards in ({lo}, {hi}], every request completed"
+        if not top_hit:
+            why += (f"; PARTIAL BAND accepted (--allow-partial-band): none in the top quarter ({e[3]}, {hi}], "
+                    f"largest forward {biggest}")
+        elif missed:
+            why += f"; band quarter(s) {', '.join(missed)} saw no forward"
     return {
         "exit_code": code,
         "verdict": NAMES[code],
@@ -84,6 +128,11 @@ def judge(lo: int, hi: int, min_band: int, sizes: dict[int, int], outcome: Outco
         "min_band_forwards": min_band,
         "forwards": sum(sizes.values()),
         "max_forward": max(sizes) if sizes else None,
+        "band_quarters": quarters,
+        "band_quarters_exact": exact,
+        "top_quarter_covered": top_hit,
+        "partial_band_accepted": bool(allow_partial and not top_hit),
+        "max_forward_share_of_hi": round(biggest / hi, 3) if biggest and hi else None,
         "guard_trips": trips,
         "requests_ok": outcome.requests_ok,
         "requests_failed": outcome.requests_failed,

@@ -61,6 +61,9 @@ def test_user_table_before_shipped_then_heuristic(tmp_path, monkeypatch) -> None
         assert source == path and table["2048x4096"].as_list() == [8, 512, 8, 3]
         table, source = patch.table_for("Some Other GPU")
         assert source.startswith("heuristic") and not table
+        # a user's table that does not name the device is said, with the names it has
+        assert any(f"VLLM_OVERLAY_DECODE_GEMV_CONFIGS={path} names the devices 'NVIDIA H200', not this process's "
+                   "'Some Other GPU'" in e for e in STATE.events)
     finally:
         patch._TABLES.clear()
 

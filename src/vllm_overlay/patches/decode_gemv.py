@@ -167,9 +167,17 @@ def table_for(device_name: str) -> tuple[dict[str, Any], str]:
     table: dict[str, Any] = {}
     source = "heuristic (no tuned table for this device)"
     if user:
-        found = load_table(str(user), "VLLM_OVERLAY_DECODE_GEMV_CONFIGS").get(device_name)
+        tables = load_table(str(user), "VLLM_OVERLAY_DECODE_GEMV_CONFIGS")
+        found = tables.get(device_name)
         if found:
             table, source = found, str(user)
+        else:  # a table for other devices: said once per device, never silently replaced
+            line = (f"decode-gemv: VLLM_OVERLAY_DECODE_GEMV_CONFIGS={user} names the devices "
+                    f"{', '.join(repr(d) for d in sorted(tables)) or 'none'}, not this process's {device_name!r} "
+                    "(the name torch.cuda.get_device_properties gives); the shipped table or the heuristic "
+                    "serves it instead")
+            LOG.warning(line)
+            STATE.event(line)
     if not table and os.path.exists(SHIPPED):
         found = load_table(SHIPPED, "decode-gemv shipped table").get(device_name)
         if found:

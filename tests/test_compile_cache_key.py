@@ -57,3 +57,33 @@ def test_traced_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="expected changes_traced_code=True"):
         _spec(settings=("A",), traced_settings=("A",))
     assert _spec(settings=("A",), traced_settings=("A",), changes_traced_code=True).traced_settings == ("A",)
+
+
+def test_compile_factors_gets_one_entry_only_while_traced_code_changes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM 0.34.0 keys its compile cache on VllmConfig.compile_factors(), a dict; the installed 0.32.0 has
+    no such method, so a stand-in that records its arguments and answers a dict of 0.34.0's kind plays it."""
+    from vllm.config import VllmConfig
+
+    assert not hasattr(VllmConfig, "compile_factors")  # why the stand-in
+    stock = {"vllm_version": "0.34.0", "model": "abc123", "compilation": "def456"}
+    calls = []
+    answer: list[object] = [stock]  # what the stand-in returns
+
+    def compile_factors(*args: object, **kwargs: object) -> object:
+        calls.append((args, kwargs))
+        return answer[0]
+
+    monkeypatch.setattr(cck, "overlay_factor", lambda: "")
+    assert cck._compile_factors(compile_factors, None, (), {"include_version": False}) is stock
+    assert calls == [((), {"include_version": False})]
+
+    digest = hashlib.sha256(b"x").hexdigest()
+    monkeypatch.setattr(cck, "overlay_factor", lambda: digest)
+    got = cck._compile_factors(compile_factors, None, (True,), {})
+    assert calls[-1] == ((True,), {})
+    assert got == {**stock, cck.FACTOR_KEY: digest} and set(got) - set(stock) == {cck.FACTOR_KEY}
+    assert cck.FACTOR_KEY not in stock  # vLLM's dict is not changed in place
+
+    for other in (None, "0123abcd", ["factors"]):  # not a dict: passed through as vLLM gave it
+        answer[0] = other
+        assert cck._compile_factors(compile_factors, None, (), {}) is other

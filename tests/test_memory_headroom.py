@@ -144,6 +144,52 @@ def test_model_runner_v2_is_measured_from_0_32_0_and_named_before() -> None:
         STATE.vllm_version = saved
 
 
+def test_the_extensible_kv_cache_is_left_alone_before_any_runner_check(caplog) -> None:  # type: ignore[no-untyped-def]
+    """vLLM 0.34.0's extensible KV cache (CacheConfig.enable_extensible_kv_cache, on by default on CUDA)
+    sizes the cache after warm-up steps, not from profiling: nothing to correct, said before the runner is
+    looked at. The worker and its cache_config are stand-ins with the fields read: 0.34.0's Worker cannot be
+    built here (no CUDA, and the installed vLLM is 0.32.0, whose CacheConfig has no such field)."""
+    ext = "vLLM's extensible KV cache is on (vLLM 0.34.0's default on CUDA)"
+    on = SimpleNamespace(cache_config=SimpleNamespace(kv_cache_memory_bytes=None, enable_extensible_kv_cache=True))
+    saved = STATE.vllm_version
+    try:
+        for version in ("0.31.0", "0.34.0"):
+            STATE.vllm_version = version
+            for runner, cpu in ((object(), False), (v2_runner(), False), (None, True)):
+                why = mh._why_not(on, runner, cpu)
+                assert why is not None and why.startswith(ext), (version, runner, why)
+                assert "--no-enable-extensible-kv-cache" in why
+        # the user's KV cache size still comes first
+        both = SimpleNamespace(cache_config=SimpleNamespace(kv_cache_memory_bytes=4 << 30,
+                                                            enable_extensible_kv_cache=True))
+        assert mh._why_not(both, v2_runner(), cpu=False).startswith("kv_cache_memory_bytes is set")
+        # off, or a release without the field: what it was
+        for cache_config in (SimpleNamespace(kv_cache_memory_bytes=None, enable_extensible_kv_cache=False),
+                             SimpleNamespace(kv_cache_memory_bytes=None, enable_extensible_kv_cache=None),
+                             SimpleNamespace(kv_cache_memory_bytes=None)):
+            worker = SimpleNamespace(cache_config=cache_config)
+            assert mh._why_not(worker, v2_runner(), cpu=False) is None
+            assert "neither vLLM's V1 model runner nor Model Runner V2" in mh._why_not(worker, object(), cpu=False)
+        STATE.vllm_version = "0.31.0"
+        off = SimpleNamespace(cache_config=SimpleNamespace(kv_cache_memory_bytes=None, enable_extensible_kv_cache=False))
+        assert "Model Runner V2) on vLLM 0.31.0" in mh._why_not(off, v2_runner(), cpu=False)
+        # through correct(): the budget is vLLM's, with one warning and the reason in the report
+        STATE.reset()
+        mh._warned.clear()
+        worker = SimpleNamespace(cache_config=on.cache_config, model_runner=v2_runner(),
+                                 device=SimpleNamespace(type="cuda", index=0))
+        with caplog.at_level("WARNING", logger="vllm_overlay"):
+            assert mh.correct(worker, 8 << 30) == 8 << 30
+            assert mh.correct(worker, 8 << 30) == 8 << 30
+        lines = [r.getMessage() for r in caplog.records if "NOT corrected" in r.getMessage()]
+        assert lines == [f"memory-headroom: KV cache NOT corrected: {mh._why_not(worker, None, False)}"]
+        assert STATE.counters["headroom_not_corrected"] == 2
+        assert STATE.patches["memory-headroom"]["not_corrected"].startswith(ext)
+    finally:
+        STATE.vllm_version = saved
+        STATE.reset()
+
+
 def test_v2_measurement_drives_vllms_own_v2_profiling_entry_points(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """The V2 path of the measurement on the real V2 class: vLLM's V2 profiling KV cache helper with
     a block per state slot, one _dummy_run per shape with is_profile, valid_dummy_state_slots and

@@ -227,3 +227,132 @@ def test_user_file_before_shipped_file_before_default(applied: str, tmp_path, mo
         assert fm.get_moe_configs(256, 256, None, None, None) is None
     (line,) = [r.getMessage() for r in caplog.records if "moe-configs: E=256,N=256" in r.getMessage()]
     assert "vllm-overlay ships 1 config(s) for NVIDIA_H200, none for this shape" in line
+
+
+# ---- vLLM 0.34.0's down-projection lookup (get_moe_configs(..., down_moe=True)) ------------------------
+#
+# vLLM 0.34.0's Triton experts ask get_moe_configs(E, N, dtype, 128, 128, down_moe=True) for a separate
+# down-projection config (block-FP8 weights), read from the file vLLM names with "_down.json" at the end.
+# The installed 0.32.0 get_moe_configs has no down_moe parameter, so these tests drive the patch's wrapper
+# directly with a stand-in for vLLM 0.34.0's function (it records how it was called and returns a marker);
+# the file names still come from the real fused_moe module of the installed build (device name faked as
+# above).
+
+DOWN = {**TUNED, "1": {**TUNED["1"], "num_warps": 8}, "64": {**TUNED["64"], "BLOCK_SIZE_N": 128}}
+DEVICE = "NVIDIA_RTX_A5000"  # vLLM 0.32.0 ships no E=256,N=512 config for it
+FP8_BLOCK = f"E=256,N=512,device_name={DEVICE},dtype=fp8_w8a8,block_shape=[128,128]"
+KEY = f"E=256,N=512,dtype=fp8_w8a8,block_shape=[128,128],device={DEVICE}"
+
+
+class VllmStandIn:
+    """Stands for vLLM 0.34.0's get_moe_configs under the wrapper: records each call, answers a marker."""
+
+    ANSWER = {"vllm": "0.34.0 stand-in"}
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls.append((args, kwargs))
+        return self.ANSWER
+
+
+@pytest.fixture
+def wrapper_only(tuned_dir: str) -> Iterator[str]:
+    STATE.reset()
+    patch.reset()
+    yield tuned_dir
+    patch.reset()
+    STATE.reset()
+
+
+def lookup(vllm: VllmStandIn, down_moe: bool | None) -> Any:
+    """The call vLLM 0.34.0 makes: positional shape, down_moe by keyword (absent for gate/up)."""
+    kwargs = {} if down_moe is None else {"down_moe": down_moe}
+    return patch._get_moe_configs(vllm, None, (256, 512, "fp8_w8a8", 128, 128), kwargs)
+
+
+def test_a_gate_up_file_is_never_handed_to_the_down_projection(wrapper_only: str,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_device(monkeypatch, DEVICE)
+    assert fm.get_config_file_name(256, 512, "fp8_w8a8", [128, 128]) == f"{FP8_BLOCK}.json"
+    gate_up = write(wrapper_only, f"{FP8_BLOCK}.json", TUNED)
+    vllm = VllmStandIn()
+    # down_moe=True: no _down.json anywhere, so vLLM decides, and is asked with down_moe on
+    assert lookup(vllm, True) is VllmStandIn.ANSWER
+    assert vllm.calls == [((256, 512, "fp8_w8a8", 128, 128), {"down_moe": True})]
+    # the same shape without down_moe: the user's gate/up file, vLLM not asked
+    assert lookup(vllm, None) == {1: TUNED["1"], 64: TUNED["64"]}
+    assert lookup(vllm, False) == {1: TUNED["1"], 64: TUNED["64"]}
+    assert len(vllm.calls) == 1
+    # a second down lookup is decided from the cache: vLLM is asked again, still with down_moe on
+    assert lookup(vllm, True) is VllmStandIn.ANSWER
+    assert vllm.calls[-1] == ((256, 512, "fp8_w8a8", 128, 128), {"down_moe": True}) and len(vllm.calls) == 2
+    assert STATE.patches["moe-configs"]["moe_configs"] == {f"{KEY},down": "vLLM default", KEY: gate_up}
+
+
+def test_a_down_file_is_used_for_the_down_projection_only(wrapper_only: str, monkeypatch: pytest.MonkeyPatch,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    fake_device(monkeypatch, DEVICE)
+    gate_up = write(wrapper_only, f"{FP8_BLOCK}.json", TUNED)
+    down = write(wrapper_only, f"{FP8_BLOCK}_down.json", DOWN)
+    assert patch.down_name(f"{FP8_BLOCK}.json") == f"{FP8_BLOCK}_down.json"
+    vllm = VllmStandIn()
+    with caplog.at_level("INFO", logger="vllm_overlay"):
+        assert lookup(vllm, True) == {1: DOWN["1"], 64: DOWN["64"]}
+        # decided separately: a later gate/up lookup of the same shape still gets the gate/up file
+        assert lookup(vllm, None) == {1: TUNED["1"], 64: TUNED["64"]}
+        assert lookup(vllm, True) == {1: DOWN["1"], 64: DOWN["64"]}
+        assert lookup(vllm, False) == {1: TUNED["1"], 64: TUNED["64"]}
+    assert vllm.calls == []  # both answered from the user's folder
+    entry = STATE.patches["moe-configs"]["moe_configs"]
+    assert entry == {f"{KEY},down": down, KEY: gate_up}
+    assert [k for k in entry if k.endswith(",down")] == [f"{KEY},down"]
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("moe-configs: E=256")]
+    assert lines == [f"moe-configs: {KEY},down: {down} (user-tuned, 2 batch sizes)",
+                     f"moe-configs: {KEY}: {gate_up} (user-tuned, 2 batch sizes)"]
+
+
+def test_a_down_file_alone_leaves_the_gate_up_lookup_to_vllm(wrapper_only: str,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_device(monkeypatch, DEVICE)
+    down = write(wrapper_only, f"{FP8_BLOCK}_down.json", DOWN)
+    vllm = VllmStandIn()
+    assert lookup(vllm, None) is VllmStandIn.ANSWER
+    assert vllm.calls == [((256, 512, "fp8_w8a8", 128, 128), {})]
+    assert lookup(vllm, True) == {1: DOWN["1"], 64: DOWN["64"]}
+    assert STATE.patches["moe-configs"]["moe_configs"] == {KEY: "vLLM default", f"{KEY},down": down}
+
+
+def test_vllms_own_down_file_wins(wrapper_only: str, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """VLLM_TUNED_CONFIG_FOLDER holding the _down.json name: vLLM's own lookup finds it, the wrapper
+    hands the call to vLLM (down_moe on) and records vLLM's file under the ",down" key."""
+    fake_device(monkeypatch, DEVICE)
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    path = write(str(theirs), f"{FP8_BLOCK}_down.json", DOWN)
+    write(wrapper_only, f"{FP8_BLOCK}_down.json", TUNED)
+    monkeypatch.setenv("VLLM_TUNED_CONFIG_FOLDER", str(theirs))
+    vllm = VllmStandIn()
+    assert lookup(vllm, True) is VllmStandIn.ANSWER
+    assert vllm.calls == [((256, 512, "fp8_w8a8", 128, 128), {"down_moe": True})]
+    assert STATE.patches["moe-configs"]["moe_configs"] == {f"{KEY},down": path}
+
+
+def test_vllms_shipped_gate_up_file_is_not_the_down_config(wrapper_only: str,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM ships a block-FP8 gate/up config for E=256,N=512 on the H200 and no _down.json: a down lookup
+    finds nothing of vLLM's, nothing in the user's folder, and leaves the choice to vLLM (down_moe on)."""
+    fake_device(monkeypatch, "NVIDIA_H200")
+    shipped = os.path.join(os.path.dirname(fm.__file__), "configs",
+                           "E=256,N=512,device_name=NVIDIA_H200,dtype=fp8_w8a8,block_shape=[128,128].json")
+    assert os.path.exists(shipped)
+    vllm = VllmStandIn()
+    assert lookup(vllm, True) is VllmStandIn.ANSWER
+    assert lookup(vllm, None) is VllmStandIn.ANSWER  # vLLM's own file: vLLM answers
+    assert vllm.calls == [((256, 512, "fp8_w8a8", 128, 128), {"down_moe": True}),
+                          ((256, 512, "fp8_w8a8", 128, 128), {})]
+    h200 = "E=256,N=512,dtype=fp8_w8a8,block_shape=[128,128],device=NVIDIA_H200"
+    entry = STATE.patches["moe-configs"]["moe_configs"]
+    assert entry[f"{h200},down"] == "vLLM default"
+    assert os.path.realpath(entry[h200]) == os.path.realpath(shipped)

@@ -275,3 +275,24 @@ def test_overridden_method_is_named(overlay, monkeypatch, caplog) -> None:  # ty
     lines = [m for m in caplog.messages if "did not fire" in m]
     assert len(lines) == 2 and all("capture_model (not the method PluginRunner calls)" in m for m in lines)
     assert {m.split(":")[0] for m in lines} == {"gdn-output-prealloc", "profile-run-cap"}
+
+
+WARMUP_IDS = ("_warmup_0_", "_v2_mixed_warmup_prefill_0_", "_v2_mixed_warmup_decode_", "_context_warmup_1_")
+
+
+@pytest.mark.parametrize("ids,warmup", [
+    (WARMUP_IDS[:1], True),
+    (WARMUP_IDS[1:3], True),  # vLLM 0.34.0's mixed prefill + decode step (also the KV cache sizing steps)
+    (WARMUP_IDS[3:], True),
+    (WARMUP_IDS, True),
+    ((*WARMUP_IDS, "cmpl-abc-0"), False),  # one real request: traffic
+    (("cmpl-abc-0",), False),
+    ((), False),  # nothing scheduled (e.g. a warm-up's clean-up step): not a warm-up forward
+])
+def test_warmup_steps_of_every_prefix(ids: tuple[str, ...], warmup: bool) -> None:
+    """The request ids Model Runner V2's warm-up steps use (vllm/v1/worker/gpu/warmup.py, 0.34.0), in any
+    mix, make a warm-up step; one ordinary request id, or none, does not (scheduler outputs are stand-ins
+    with the one field read)."""
+    sched = SimpleNamespace(num_scheduled_tokens=dict.fromkeys(ids, 1))
+    assert _runner.is_warmup(sched) is warmup
+    assert _runner.is_warmup(SimpleNamespace()) is False

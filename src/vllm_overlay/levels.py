@@ -115,11 +115,12 @@ def expected_runner(version: str, platform: str, environ: Mapping[str, str] | No
     VLLM_USE_V2_MODEL_RUNNER when set; V1 before 0.22.0 (V2 only on request) and on the CPU build
     (its V2 needs Triton); otherwise None: vLLM chooses at start-up."""
     env = os.environ if environ is None else environ
-    asked = (env.get("VLLM_USE_V2_MODEL_RUNNER") or "").strip().lower()
+    raw = env.get("VLLM_USE_V2_MODEL_RUNNER")
+    asked = (raw or "").strip().lower()
     if not runner_exists(version, "V1"):
-        if asked and asked not in ("1", "true"):
-            return "V2", (f"vLLM {version} has only Model Runner V2 and refuses VLLM_USE_V2_MODEL_RUNNER={asked} "
-                          "(unset it)")
+        if raw is not None and raw != "1":  # vLLM 0.34.0 refuses every other value, set but empty included
+            return "V2", (f"vLLM {version} has only Model Runner V2 and refuses VLLM_USE_V2_MODEL_RUNNER={raw!r} "
+                          "(only 1 is accepted; unset it)")
         return "V2", f"vLLM {version} has only Model Runner V2 (V1 removed after {V1_LAST})"
     if asked in ("1", "true"):
         return "V2", "VLLM_USE_V2_MODEL_RUNNER=1"

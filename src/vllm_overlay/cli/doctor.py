@@ -114,9 +114,9 @@ def runner_lines(version: str | None, environ: dict[str, str] | None = None) -> 
         return out
     asked = env.get("VLLM_USE_V2_MODEL_RUNNER")
     if version is not None and not levels.runner_exists(version, "V1"):
-        if asked is not None and asked.strip().lower() not in ("1", "true"):
+        if asked is not None and asked != "1":  # vLLM refuses every other value, set but empty included
             out.append((f"model runner: Model Runner V2; vLLM {version} has no V1 runner and refuses "
-                        f"VLLM_USE_V2_MODEL_RUNNER={asked} at start-up: unset it", "error"))
+                        f"VLLM_USE_V2_MODEL_RUNNER={asked!r} at start-up (only 1 is accepted): unset it", "error"))
         else:
             out.append((f"model runner: Model Runner V2 (vLLM {version} has only V2); no worker report in "
                         f"{directory} names the one built yet", None))

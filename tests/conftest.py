@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,9 +21,38 @@ PY = sys.executable
 OVERLAY_PREFIXES = ("VLLM_OVERLAY", "GENESIS_")
 
 
-# a subprocess's reports go here unless a test names a folder: the machine's default folder (in the temp
-# directory) keeps reports of earlier runs, and the commands that read it (plan, doctor) would see them
+# every process of the suite reports here unless a test names a folder: the machine's default folder (in
+# the temp directory) keeps reports of earlier runs, and the commands that read it (plan, doctor, report)
+# would see them. Subprocesses get it from clean_env or from os.environ (set here and by the autouse
+# fixture below); this pytest process too: a test that registers the overlay in-process leaves its state,
+# whose report the flusher rewrites and the exit handler writes last, after every test's settings are gone.
 REPORTS = tempfile.mkdtemp(prefix="vllm-overlay-test-reports-")
+SESSION_STARTED = time.time()
+os.environ["VLLM_OVERLAY_REPORT_DIR"] = REPORTS
+
+# processes a test started with an environment that names no report folder (neither
+# VLLM_OVERLAY_REPORT_DIR nor a TMPDIR of its own): each would report into the machine's default
+# folder. tests/test_zz_integrity.py asserts there are none, and the terminal summary names them.
+STARTED_WITHOUT_REPORT_DIR: list[str] = []
+_popen_init = subprocess.Popen.__init__
+
+
+def _popen_init_checked(self: subprocess.Popen, args: Any, *rest: Any, **kw: Any) -> None:  # type: ignore[type-arg]
+    env = kw.get("env", rest[9] if len(rest) > 9 else None)
+    seen = os.environ if env is None else env
+    if "VLLM_OVERLAY_REPORT_DIR" not in seen and "TMPDIR" not in seen:
+        test = os.environ.get("PYTEST_CURRENT_TEST", "outside a test")
+        STARTED_WITHOUT_REPORT_DIR.append(f"{test}: {str(args)[:200]}")
+    _popen_init(self, args, *rest, **kw)
+
+
+subprocess.Popen.__init__ = _popen_init_checked  # type: ignore[method-assign]
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    for line in STARTED_WITHOUT_REPORT_DIR:
+        terminalreporter.write_line(f"started with no report folder (reports into the default one): {line}",
+                                    red=True)
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -35,9 +65,12 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 @pytest.fixture(autouse=True)
 def _isolate_overlay_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No overlay setting of the caller's reaches a test, but the suite's report folder (REPORTS); a test
+    that needs the setting unset deletes it itself."""
     for key in list(os.environ):
         if key.startswith(OVERLAY_PREFIXES):
             monkeypatch.delenv(key)
+    monkeypatch.setenv("VLLM_OVERLAY_REPORT_DIR", REPORTS)
 
 
 def load_reports(directory: str) -> list[dict[str, Any]]:

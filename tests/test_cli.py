@@ -193,3 +193,25 @@ def test_bad_flags_are_usage_errors_before_anything_runs(tmp_path) -> None:  # t
         p = cli(*args)
         assert p.returncode == 2 and needle in p.stdout + p.stderr, (args, p.stdout[-1000:], p.stderr[-1000:])
         assert "Traceback" not in p.stdout + p.stderr
+
+
+def test_report_shows_worker_patches_of_an_api_server_as_worker_only(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """`report`: a patch the API server holds armed for the model runner's modules acts in the workers,
+    and the table says so with the modules, instead of counting it armed in that process."""
+    from vllm_overlay.cli.main import main
+
+    runner = ["vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu_worker"]
+    base = {"server_id": "srv", "vllm_version": "0.32.0", "written": 1.0}
+    api = {**base, "pid": 31, "role": "api server", "counts": {"applied": 1, "armed": 1},
+           "patches": {"forward-telemetry": {"status": "armed", "reason": "on by default", "pending_modules": runner},
+                       "rank-reports": {"status": "applied", "reason": "on by default"}}}
+    worker = {**base, "pid": 32, "role": "worker rank 0", "counts": {"applied": 2, "armed": 0},
+              "patches": {"forward-telemetry": {"status": "applied", "reason": "on by default"},
+                          "rank-reports": {"status": "applied", "reason": "on by default"}}}
+    for rep in (api, worker):
+        (tmp_path / f"overlay-{rep['pid']}.json").write_text(json.dumps(rep))
+    assert main(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "  31: role=api server; vLLM=0.32.0; applied=1; armed=0;" in out, out
+    assert ("  forward-telemetry: status=worker-only; processes=api server; reason=acts in the workers: waits for "
+            "vllm.v1.worker.gpu_model_runner, vllm.v1.worker.gpu_worker, which vLLM imports in workers only") in out, out

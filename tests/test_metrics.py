@@ -44,6 +44,31 @@ def write(directory, rep) -> None:  # type: ignore[no-untyped-def]
         json.dump(rep, f)
 
 
+def test_a_patch_armed_for_worker_modules_outside_a_worker_is_shown_worker_only(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The API server and the engine core hold the worker patches armed for good (they never import the
+    runner): /metrics and `report` say worker-only and name the modules; a worker, or a patch waiting
+    for a module any process may import, stays armed with what it waits for."""
+    from vllm_overlay.reports import shown_status
+
+    runner = ["vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu_worker"]
+    patches = {"forward-telemetry": {"status": "armed", "pending_modules": runner},
+               "turboquant-spec-decode": {"status": "armed",
+                                          "pending_modules": ["vllm.v1.attention.backends.turboquant_attn"]},
+               "rank-reports": {"status": "applied", "pending_modules": []}}
+    write(tmp_path, report(21, "srv-w", {}, tp_rank=None, role="api server", patches=patches))
+    write(tmp_path, report(22, "srv-w", {}, role="worker rank 0", patches=patches))
+    text = exposition(tmp_path, "srv-w")
+    mods = ",".join(runner)
+    assert (f'vllm_overlay_patch_info{{patch="forward-telemetry",pid="21",role="api server",status="worker-only",'
+            f'waiting_for="{mods}"}} 1.0') in text
+    assert (f'vllm_overlay_patch_info{{patch="forward-telemetry",pid="22",role="worker rank 0",status="armed",'
+            f'waiting_for="{mods}"}} 1.0') in text
+    assert ('vllm_overlay_patch_info{patch="turboquant-spec-decode",pid="21",role="api server",status="armed",'
+            'waiting_for="vllm.v1.attention.backends.turboquant_attn"} 1.0') in text
+    assert 'patch="rank-reports",pid="21",role="api server",status="applied",waiting_for=""' in text
+    assert shown_status({"role": "engine core + worker rank 0"}, patches["forward-telemetry"]) == "armed"
+
+
 def test_collector_reads_only_this_servers_reports(tmp_path) -> None:  # type: ignore[no-untyped-def]
     sizes = {1: 3, 1500: 2, 2000: 1, 3000: 4}
     write(tmp_path, report(11, "srv-a", sizes))
@@ -58,7 +83,7 @@ def test_collector_reads_only_this_servers_reports(tmp_path) -> None:  # type: i
     assert 'vllm_overlay_forward_scheduled_tokens_sum 17003.0' in text
     assert 'vllm_overlay_guard_trips_total{pid="11",role="engine core + worker rank 0"} 0.0' in text
     assert 'vllm_overlay_patch_info{patch="hybrid-turboquant",pid="12",role="engine core + worker rank 1",' \
-           'status="failed"} 1.0' in text
+           'status="failed",waiting_for=""} 1.0' in text
     assert 'vllm_overlay_gdn_buffer_bytes{' in text and s.buffer_rows == [3000, 3000]
     assert 'vllm_overlay_gdn_buffer_rows{device="cpu",dtype="torch.bfloat16",engine="config-7fdda29fb7d0",pid="11",' \
            'role="engine core + worker rank 0",shape="4x64",source="live"} 3000.0' in text
@@ -263,7 +288,7 @@ def test_metrics_match_the_reports_in_both_directions(served) -> None:  # type: 
     from vllm_overlay.metrics import buffer_labels
 
     reports = {str(r["pid"]): r for r in load_reports(server.reports)}
-    checked = 0
+    checked, info = 0, {}
     for fam in text_string_to_metric_families(text):
         for smp in fam.samples:
             if not smp.name.startswith("vllm_overlay_") or "pid" not in smp.labels or "role" not in smp.labels:
@@ -275,9 +300,22 @@ def test_metrics_match_the_reports_in_both_directions(served) -> None:  # type: 
                 assert got in [buffer_labels(b) for b in rep["buffers"]], (got, rep["buffers"])
                 assert got[0].startswith("config-") and got[1] == "cpu" and got[2] == "torch.bfloat16", got
             if smp.name == "vllm_overlay_patch_info":
-                assert rep["patches"][smp.labels["patch"]]["status"] == smp.labels["status"], smp
+                rec = rep["patches"][smp.labels["patch"]]
+                said = {"worker-only": "armed"}.get(smp.labels["status"], smp.labels["status"])
+                assert rec["status"] == said, smp
+                assert smp.labels["waiting_for"] == (",".join(rec["pending_modules"]) if said == "armed" else "")
+                if smp.labels["role"] in ("api server", "engine core"):
+                    info[(smp.labels["role"], smp.labels["patch"])] = smp.labels
             checked += 1
     assert checked > 10
+    # the API server and the engine core never say 'armed' forever: the patches that act in the workers
+    # say so, and name the modules they wait for
+    for role in ("api server", "engine core"):
+        for patch in ("forward-telemetry", "gdn-output-prealloc", "memory-headroom", "moe-configs"):
+            labels = info[(role, patch)]
+            assert labels["status"] == "worker-only" and labels["waiting_for"], labels
+        assert info[(role, "rank-reports")]["status"] == "applied"
+    assert not [k for k, v in info.items() if v["status"] == "armed"], info
 
     # a band /metrics cannot count exactly is refused before any traffic
     p = stress(["--url", server.url, "--band", "1000,2048", "--out", str(root / "out-bad")])

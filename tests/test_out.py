@@ -35,3 +35,22 @@ def test_markup_like_values_are_printed_as_is() -> None:
     buf = io.StringIO()
     Out(buf).line("accepted: an integer in [0, 1048576] [red]not markup[/]", "error")
     assert buf.getvalue() == "accepted: an integer in [0, 1048576] [red]not markup[/]\n"
+
+
+def test_a_long_word_in_a_wrapped_column_is_never_cut() -> None:
+    """rich narrows the widest columns of a table wider than the terminal below their longest word and
+    folds it: `report`'s patch table cut a setting name in its reason column at 100-103 columns."""
+    reason = "off by default (set VLLM_OVERLAY_PREFILL_CHUNK_CLAMP to turn it on)"
+    rows = [["prefill-chunk-clamp", "off", "api server, engine core, worker rank 0", reason],
+            ["turboquant-v1-kv-shape", "upstream-merged", "api server, engine core, worker rank 0",
+             "vLLM 0.32.0: each turboquant_ dtype has a KVQuantMode of its own, which the attention layer's spec "
+             "carries, so V1 shapes TurboQuant layers with their real dtype"]]
+    for width in range(60, 201):
+        buf = io.StringIO()
+        out = Out(buf, force_plain=False)
+        out.console.width = width
+        out.table("patches (per process)", ("patch", "status", "processes", "reason"), rows, ids=(0, 1))
+        text = buf.getvalue()
+        assert "VLLM_OVERLAY_PREFILL_CHUNK_CLAMP" in text and "turboquant-v1-kv-shape" in text, (width, text)
+        if "│" in text:  # a table (else plain lines, one per row, never wrapped by us)
+            assert all(len(line) <= width for line in text.splitlines()), width

@@ -147,8 +147,35 @@ def summary_line(specs: tuple[PatchSpec, ...], version: str, platform: str, runn
     """One line: the level of each patch on the installed release and the runner vLLM will build."""
     where = f"vLLM {version} ({platform}, runner {runner or 'V1 or V2, the weaker counts'}: {runner_why})"
     by_level: dict[str, list[str]] = {}
+    idle: dict[str, dict[str, list[str]]] = {}  # what a patch that does nothing here is: its status -> why -> ids
     for spec in specs:
-        by_level.setdefault(for_process(spec, version, platform, runner, path).level, []).append(spec.id)
-    parts = [f"{lv}: {', '.join(by_level[lv])}" for lv in reversed(LEVELS) if lv in by_level]
-    return (f"support levels on {where}: " + "; ".join(parts)
-            + f" (source-checked: {MEANS['source-checked']})")
+        level = for_process(spec, version, platform, runner, path).level
+        if level == "unsupported":
+            status, why = idle_here(spec, version, platform, runner)
+            idle.setdefault(status, {}).setdefault(why, []).append(spec.id)
+        else:
+            by_level.setdefault(level, []).append(spec.id)
+    parts = [f"{lv}: {', '.join(by_level[lv])}" + (f" ({MEANS[lv]})" if lv == "source-checked" else "")
+             for lv in reversed(LEVELS) if lv in by_level]
+    parts += [f"{status}: " + ", ".join(f"{', '.join(ids)} ({why})" for why, ids in idle[status].items())
+              for status in IDLE if status in idle]
+    return f"support levels on {where}: " + "; ".join(parts)
+
+
+IDLE = ("not-needed", "upstream-merged", "unsupported")  # why a patch does nothing on a cell, in the line's order
+
+
+def idle_here(spec: PatchSpec, version: str, platform: str, runner: str | None) -> tuple[str, str]:
+    """(status, reason) of a patch that does nothing on this cell, as ``plan`` words it: ``not-needed``
+    (its support row, or a platform it does not concern), ``upstream-merged`` (vLLM does it itself) or
+    ``unsupported``, each with the reason of its support row."""
+    row = spec.support_for(version)
+    if row is not None and row.status != "applies":
+        return row.status, row.reason
+    if row is None:
+        return "unsupported", f"vLLM {version} is not in the support matrix"
+    if platform not in spec.platforms:
+        return "not-needed", f"platform {platform}: the patch concerns {', '.join(spec.platforms)} only"
+    if runner is not None and not runner_exists(version, runner):
+        return "unsupported", f"vLLM {version} has no {runner} model runner (removed after {V1_LAST})"
+    return "unsupported", f"Model Runner V2 of vLLM {version}: the patch acts on V2 of {spec.v2_releases} only"

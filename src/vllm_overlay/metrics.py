@@ -23,7 +23,9 @@ Series (all prefixed ``vllm_overlay_``):
 - ``forward_max_scheduled_tokens`` gauge: the largest real forward since the server started.
 - ``guard_checks_total`` / ``guard_trips_total`` counters, per process (``role``, ``pid``).
 - ``gdn_buffer_rows`` / ``gdn_buffer_bytes`` gauges, per buffer and process.
-- ``patch_info`` (``patch``, ``status``, ``role``, ``pid``): one series per patch and process.
+- ``patch_info`` (``patch``, ``status``, ``role``, ``pid``, ``waiting_for``): one series per patch and
+  process; ``worker-only`` where a process that is no worker holds a patch armed for modules only
+  workers import (``reports.shown_status``), ``waiting_for`` the modules an armed patch waits for.
 - ``engine_config_info``: the live limits the workers saw, and the server id.
 - ``processes``: how many overlay processes of this server reported, by role.
 - ``reports_gone``: report files of this server id whose process is gone from this host, left out.
@@ -47,7 +49,8 @@ from typing import Any
 
 from vllm_overlay import report_files, server_id, settings
 from vllm_overlay.report import LOG, STATE
-from vllm_overlay.reports import dedupe, expand, load_file, missing_ranks, process_gone, servers, shared_line
+from vllm_overlay.reports import (dedupe, expand, load_file, missing_ranks, process_gone, servers, shared_line,
+                                  shown_status, waiting_for)
 from vllm_overlay.telemetry import merge_sizes
 
 PREFIX = "vllm_overlay_"
@@ -193,8 +196,10 @@ def families(reports: list[dict[str, Any]], server: str | None,
                              labels=["role", "pid", "engine", "device", "dtype", "shape", "source"])
     size = GaugeMetricFamily(PREFIX + "gdn_buffer_bytes", "Bytes of a preallocated GDN output buffer.",
                              labels=["role", "pid", "engine", "device", "dtype", "shape", "source"])
-    info = InfoMetricFamily(PREFIX + "patch", "One series per patch and process: its status there.",
-                            labels=["patch", "status", "role", "pid"])
+    info = InfoMetricFamily(PREFIX + "patch", "One series per patch and process: its status there (worker-only: "
+                            "armed in a process that is no worker, for modules only workers import; it acts in "
+                            "the workers) and the modules an armed patch waits for.",
+                            labels=["patch", "status", "role", "pid", "waiting_for"])
     age = GaugeMetricFamily(PREFIX + "report_age_seconds",
                             "Seconds since a process of this server last wrote its report (a live process "
                             "rewrites it when it changes and at least hourly: older means stale).",
@@ -215,7 +220,7 @@ def families(reports: list[dict[str, Any]], server: str | None,
             rows.add_metric(labels, int(b.get("rows", 0)))
             size.add_metric(labels, int(b.get("bytes", 0)))
         for patch_id, rec in sorted((rep.get("patches") or {}).items()):
-            info.add_metric([patch_id, str(rec.get("status", "")), role, pid], {})
+            info.add_metric([patch_id, shown_status(rep, rec), role, pid, waiting_for(rec)], {})
         for k, v in (rep.get("engine_config") or {}).items():
             if k != "unknown":
                 config[k] = str(v)

@@ -1,8 +1,10 @@
 """Output that reads right in a terminal, a pipe, a log and CI.
 
-On a terminal wide enough, a table is a rich table whose identifier columns never wrap. Anywhere
-else (stdout piped or redirected, CI logs, a terminal too narrow for the identifiers) the same
-table becomes plain lines, one per row: ``ID: column=value; column=value``. No identifier
+On a terminal wide enough, a table is a rich table whose identifier columns never wrap and whose other
+columns wrap between words only (each column at least as wide as its longest word). Anywhere else
+(stdout piped or redirected, CI logs, a terminal too narrow for that) the same table becomes plain
+lines, one per row: ``ID: column=value; column=value``. tests/test_widths.py renders every command
+at each width from 60 to 200 columns. No identifier
 (setting name, patch id, module:qualname, path) is ever broken across lines, and no markup or
 colour reaches a file.
 """
@@ -14,8 +16,8 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from rich.console import Console
+from rich.cells import cell_len
 from rich.markup import escape
-from rich.measure import Measurement
 from rich.table import Table
 
 STYLES = {"error": "red", "warning": "yellow", "info": "cyan", "ok": "green", "dim": "dim"}
@@ -53,8 +55,7 @@ class Out:
             for i, r in enumerate(rows):
                 style = STYLES.get(row_styles[i] or "", None) if row_styles else None
                 t.add_row(*[escape(c) for c in r], style=style)
-            unbounded = self.console.options.update(max_width=1 << 20)
-            if Measurement.get(self.console, unbounded, t).minimum <= self.console.width:
+            if self._fit(t, columns, rows, ids):
                 self.console.print(t)
                 return
         print(f"{title}:", file=self.file)
@@ -62,3 +63,29 @@ class Out:
             rest = "; ".join(f"{col}={val}" for col, val in zip(columns[1:], r[1:]) if val != "")
             print(f"  {r[0]}: {rest}" if rest else f"  {r[0]}", file=self.file)
         self.file.flush()
+
+    def _fit(self, t: Table, columns: Sequence[str], rows: Sequence[Sequence[str]], ids: Sequence[int]) -> bool:
+        """Whether the table fits the terminal with no word cut; where it is wider than the terminal, fix
+        each column's width so that none is. Left to itself, rich narrows the widest columns below their
+        longest word and folds it (a setting name in a reason column, at 100-103 columns), and measures an
+        identifier column by its longest word although it never wraps. Each column gets its longest word
+        (an identifier column its longest cell), then the columns with the most text still to wrap get
+        the rest, one at a time; False where even that is wider than the terminal."""
+        pad = 2 * len(columns)  # rich's default cell padding: one column each side of every cell
+        room = self.console.width - t._extra_width - pad  # noqa: SLF001 - rich's border width of this table
+        cells = [[str(col), *(r[i] for r in rows)] for i, col in enumerate(columns)]
+        longest = [max(cell_len(c) for c in cs) or 1 for cs in cells]
+        if sum(longest) <= room:
+            return True  # every row fits on one line: rich wraps nothing
+        widths = [max((cell_len(c) if i in ids else max((cell_len(w) for w in c.split()), default=0)) for c in cs) or 1
+                  for i, cs in enumerate(cells)]
+        if sum(widths) > room:
+            return False
+        for _ in range(room - sum(widths)):
+            i = max(range(len(widths)), key=lambda k: longest[k] - widths[k])
+            if longest[i] <= widths[i]:
+                break
+            widths[i] += 1
+        for column, width in zip(t.columns, widths):
+            column.width = width
+        return True

@@ -20,6 +20,7 @@ from typing import Any
 
 from vllm_overlay import report_files, server_id
 from vllm_overlay.errors import OverlayError
+from vllm_overlay.spec import WORKER_MODULES
 
 
 @dataclass
@@ -35,6 +36,28 @@ class Scan:
 
     def servers(self) -> dict[str, list[dict[str, Any]]]:
         return servers(self.reports)
+
+
+def is_worker(rep: dict[str, Any]) -> bool:
+    """Whether the process of ``rep`` is (also) a worker: its role names a worker."""
+    return "worker" in str(rep.get("role", ""))
+
+
+def shown_status(rep: dict[str, Any], rec: dict[str, Any]) -> str:
+    """A patch's status in the process of ``rep`` as reports and /metrics show it: the report's own,
+    except ``worker-only`` for a patch armed in a process that is no worker (API server, engine core)
+    while every module it waits for is one vLLM imports in workers only (spec.WORKER_MODULES): it acts in
+    the workers, and this process never imports those modules (were one imported, it would apply)."""
+    status = str(rec.get("status", ""))
+    pending = [str(m) for m in rec.get("pending_modules") or []]
+    if status == "armed" and pending and not is_worker(rep) and all(m.startswith(WORKER_MODULES) for m in pending):
+        return "worker-only"
+    return status
+
+
+def waiting_for(rec: dict[str, Any]) -> str:
+    """The modules an armed patch waits for, comma-separated ('' for any other status)."""
+    return ",".join(str(m) for m in rec.get("pending_modules") or []) if rec.get("status") == "armed" else ""
 
 
 def load_file(path: str) -> tuple[dict[str, Any] | None, str | None]:

@@ -20,6 +20,10 @@ from packaging.version import Version
 
 STATUSES = ("applies", "upstream-merged", "not-needed", "unsupported")
 BEYOND_MATRIX = ("", "carry", "never")  # PatchSpec.beyond_matrix ("": undeclared, refused by the registry)
+# Modules vLLM imports in worker processes only (the model runners, the worker classes, the model's layers):
+# a patch armed in another process (API server, engine core) that waits only for these acts in the workers,
+# and reports say so (reports.shown_status) instead of "armed" forever.
+WORKER_MODULES = ("vllm.v1.worker.", "vllm.model_executor.layers.")
 HOOKS = ("prepare", "on_revert")  # the patch-module functions a spec may declare (PatchSpec.hooks)
 
 

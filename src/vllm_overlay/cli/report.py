@@ -7,7 +7,7 @@ import argparse
 from typing import Any
 
 from vllm_overlay.output import Out
-from vllm_overlay.reports import load, scan  # noqa: F401 - load re-exported for callers of cli.report.load
+from vllm_overlay.reports import load, scan, shown_status, waiting_for  # noqa: F401 - load re-exported
 from vllm_overlay.telemetry import bucket_counts, merge_sizes
 
 
@@ -39,8 +39,10 @@ def print_reports(out: Out, reports: list[dict[str, Any]]) -> None:
     rows = []
     for r in reports:
         c, fw = r.get("counts") or {}, (r.get("telemetry") or {}).get("forwards") or {}
+        shown = [shown_status(r, rec) for rec in (r.get("patches") or {}).values()]
+        armed = str(shown.count("armed")) if "armed" in c else "-"  # worker-only ones: in the patches table
         rows.append([str(r["pid"]), str(r.get("role", "-")), str(r.get("vllm_version")), str(c.get("applied", "-")),
-                     str(c.get("armed", "-")), str(c.get("skipped", "-")), str(c.get("off", "-")),
+                     armed, str(c.get("skipped", "-")), str(c.get("off", "-")),
                      str(c.get("failed", "-")), f"{(r.get('load_apply_s') or 0) * 1000:.0f} ms",
                      str(fw.get("count", "-")), str(fw.get("min")), str(fw.get("max")),
                      str((r.get("counters") or {}).get("guard_trips", 0)),
@@ -52,7 +54,13 @@ def print_reports(out: Out, reports: list[dict[str, Any]]) -> None:
     seen: dict[tuple[str, str, str], list[str]] = {}
     for r in reports:
         for pid, rec in (r.get("patches") or {}).items():
-            seen.setdefault((pid, str(rec.get("status")), str(rec.get("reason", ""))), []).append(str(r.get("role")))
+            status = shown_status(r, rec)
+            reason = str(rec.get("reason", ""))
+            if status == "worker-only":
+                reason = f"acts in the workers: waits for {waiting_for(rec).replace(',', ', ')}, which vLLM imports in workers only"
+            elif status == "armed":
+                reason = f"waits for {waiting_for(rec).replace(',', ', ')}" + (f"; {reason}" if reason else "")
+            seen.setdefault((pid, status, reason), []).append(str(r.get("role")))
     out.table("patches (per process)", ("patch", "status", "processes", "reason"),
               [[pid, status, ", ".join(sorted(set(roles))), reason]
                for (pid, status, reason), roles in sorted(seen.items())], ids=(0, 1))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from vllm_overlay.output import Out
+from vllm_overlay.tools.output import Out
 
 LONG_ID = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn:QwenGatedDeltaNetAttention.forward_cuda"
 

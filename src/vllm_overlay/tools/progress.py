@@ -8,7 +8,7 @@ from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from vllm_overlay.output import Out
+from vllm_overlay.tools.output import Out
 
 
 class Ticker:

@@ -25,7 +25,7 @@ class _Formatter(argparse.HelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from vllm_overlay.cli import demo, doctor, matrix, plan, report, serve, stress, tune_moe, verify
+    from vllm_overlay.tools.cli import demo, doctor, matrix, plan, report, serve, stress, tune_moe, verify
 
     parser = argparse.ArgumentParser(
         prog="vllm-overlay",
@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:  # every argument after `serve` is vLLM's, --help included
-        from vllm_overlay.cli import serve
+        from vllm_overlay.tools.cli import serve
 
         return serve.run(argparse.Namespace(args=argv[1:]))
     parser = build_parser()

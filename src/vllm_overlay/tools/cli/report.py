@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from vllm_overlay.output import Out
+from vllm_overlay.tools.output import Out
 from vllm_overlay.reports import load, scan  # noqa: F401 - load re-exported for callers of cli.report.load
 from vllm_overlay.telemetry import bucket_counts, merge_sizes
 

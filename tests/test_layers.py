@@ -1,8 +1,8 @@
 """The runtime and the tools apart: what every vLLM process loads (register(), core, the patches and
 what they import) never imports a tool module (vllm_overlay.tools, the former-path forward
-vllm_overlay.cli, python -m vllm_overlay) nor rich, which only the tools use (the tools extra). Read
-two ways: the imports written in every runtime file, and the modules a real engine's process holds
-after serving a request."""
+vllm_overlay.cli, python -m vllm_overlay) nor rich, which only the tools use (the tools extra); no
+patch imports core back. Read two ways: the imports written in every runtime file, and the modules a
+real engine's process holds after serving a request."""
 
 from __future__ import annotations
 
@@ -77,6 +77,15 @@ def test_no_runtime_file_imports_a_tool_module_or_rich() -> None:
            for path in runtime_files() for line, name in imported_names(path)
            if _is(name, TOOLS) or _is(name, TOOL_ONLY)]
     assert not bad, "the runtime imports the tools: " + "; ".join(bad)
+
+
+def test_no_patch_imports_core() -> None:
+    """core installs the patches and hands them what they need (a PatchContext); a patch that imported core
+    back would close a cycle the import graph does not show."""
+    bad = [f"{os.path.relpath(path, SRC)}:{line} imports {name}"
+           for path in runtime_files() if os.sep + "patches" + os.sep in path
+           for line, name in imported_names(path) if _is(name, ("vllm_overlay.core",))]
+    assert not bad, "; ".join(bad)
 
 
 def test_the_static_check_sees_imports_inside_functions(tmp_path) -> None:  # type: ignore[no-untyped-def]

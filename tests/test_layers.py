@@ -72,6 +72,26 @@ def test_the_layout_has_both_layers() -> None:
         assert os.path.isfile(os.path.join(PKG, "tools", tool)), tool
 
 
+def test_a_built_package_holds_every_module_and_the_model() -> None:
+    """setuptools' discovery (pyproject.toml: packages.find) finds only folders with an __init__.py: each
+    folder of modules must have one, or a wheel leaves it out; the tiny model ships as package data."""
+    import glob
+    import tomllib
+
+    from setuptools import find_packages
+
+    found = set(find_packages(SRC))
+    folders = {_module(os.path.join(d, "__init__.py")) for d, _, files in os.walk(PKG)
+               if "__pycache__" not in d and any(f.endswith(".py") for f in files)}
+    assert folders - found == set()
+    data = tomllib.load(open(os.path.join(os.path.dirname(SRC), "pyproject.toml"), "rb"))
+    patterns = data["tool"]["setuptools"]["package-data"]["vllm_overlay"]
+    assert any(glob.glob(os.path.join(PKG, p)) == [os.path.join(PKG, "tools", "models", "tiny-hybrid", "config.json")]
+               for p in patterns)
+    assert "rich" not in " ".join(data["project"]["dependencies"])
+    assert data["project"]["optional-dependencies"]["tools"] == ["rich>=13"]
+
+
 def test_no_runtime_file_imports_a_tool_module_or_rich() -> None:
     bad = [f"{os.path.relpath(path, SRC)}:{line} imports {name}"
            for path in runtime_files() for line, name in imported_names(path)

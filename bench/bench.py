@@ -18,7 +18,7 @@ Also: boot time and vLLM's own "init engine (profile, create kv cache, warmup mo
 cache size in tokens, the overlay's load+apply time per process (from its reports); with
 --logprobs, the top-20 logprobs of the first generated token for 8 fixed prompts (to compare KV
 cache dtypes or configurations across boots: `make_table.py`); with --soak-waves, a band soak through
-`vllm_overlay.stress` (each wave: prefills co-scheduled with decodes in one forward in
+`vllm_overlay.tools.stress` (each wave: prefills co-scheduled with decodes in one forward in
 (4096, 8192]), bounded by --soak-seconds. The soak runs before the timed workloads.
 
 --moe-config-dir DIR (overlay only): the moe-configs patch reads its tuned fused-MoE configs from DIR
@@ -136,8 +136,8 @@ def child(out: str, args: argparse.Namespace) -> None:
                            for k, o in zip(lens, outs)]
         save(out, res)
     if args.soak_waves:
-        from vllm_overlay.stress import offline
-        from vllm_overlay.stress.plan import Limits, make_plan
+        from vllm_overlay.tools.stress import offline
+        from vllm_overlay.tools.stress.plan import Limits, make_plan
 
         plan = dataclasses.replace(make_plan(4096, 8192, Limits(args.mnbt, 32768, 64), args.soak_waves, None,
                                              prefill_out_tokens=1), waves=args.soak_waves)

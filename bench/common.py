@@ -40,7 +40,7 @@ def boot_parts(text: str) -> dict[str, float]:
 def model_dir(name: str) -> str:
     """A folder holding only config.json (weights: load_format=dummy)."""
     if name == "tiny":
-        from vllm_overlay.models import tiny_hybrid_dir
+        from vllm_overlay.tools.models import tiny_hybrid_dir
 
         return tiny_hybrid_dir()
     src = os.path.join(HERE, "models", f"{name}.json")
@@ -87,7 +87,7 @@ def environment() -> dict[str, Any]:
 
 
 def reports_summary(report_dir: str) -> dict[str, Any]:
-    from vllm_overlay.cli.report import load
+    from vllm_overlay.tools.cli.report import load
     from vllm_overlay.telemetry import in_band, merge_sizes
 
     reps = load(report_dir) if os.path.isdir(report_dir) else []

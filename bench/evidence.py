@@ -80,7 +80,7 @@ def from_processes(procs: list[dict[str, Any]]) -> dict[str, Any]:
         applied = {pid for s in statuses for pid, st in s.items() if st == "applied"}
         failed = {pid for s in statuses for pid, st in s.items() if st == "failed"}
         if any("counters" in p for p in procs):  # a patch whose spec names counters must have moved one
-            from vllm_overlay import matrix
+            from vllm_overlay.tools import matrix
 
             specs = {s.id: s for s in matrix.specs()}
             quiet = {pid for pid in applied if not acted(specs.get(pid), procs)}

@@ -30,7 +30,8 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "src"))
 import evidence  # noqa: E402 - bench/evidence.py
 
-from vllm_overlay import levels, matrix  # noqa: E402
+from vllm_overlay import levels  # noqa: E402
+from vllm_overlay.tools import matrix  # noqa: E402
 
 OUT = levels.DATA
 ENGINE_PROOFS = os.path.join(ROOT, "tests", "engine_proofs.json")

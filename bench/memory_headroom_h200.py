@@ -19,7 +19,7 @@ allocator statistics read here are the worker's.
 
 Phases after boot, each with the allocator's peak statistics reset first (torch.cuda
 reset_peak_memory_stats / max_memory_allocated / max_memory_reserved):
-  band-soak        vllm_overlay.stress waves, each one forward in (mnbt/2, mnbt] (or (cap, mnbt]),
+  band-soak        vllm_overlay.tools.stress waves, each one forward in (mnbt/2, mnbt] (or (cap, mnbt]),
                    bounded by --soak-seconds
   longest-prefill  one prompt of max_model_len - 1 tokens, 1 token out: forwards of mnbt tokens
                    with a context growing to 32767
@@ -193,8 +193,8 @@ def child(out: str, args: argparse.Namespace) -> None:
     def band() -> dict[str, Any]:
         import dataclasses
 
-        from vllm_overlay.stress import offline
-        from vllm_overlay.stress.plan import Limits, make_plan
+        from vllm_overlay.tools.stress import offline
+        from vllm_overlay.tools.stress.plan import Limits, make_plan
 
         lo = args.cap if 0 < args.cap < args.mnbt else args.mnbt // 2
         plan = make_plan(lo, args.mnbt, Limits(args.mnbt, MAX_MODEL_LEN, MAX_NUM_SEQS), 10_000, None,

@@ -176,7 +176,7 @@ def model_folder(model: str, mtp: int, spec_method: str) -> str:
         return os.path.abspath(model)
     if model == "tiny":
         sys.path.insert(0, os.path.join(ROOT, "src"))
-        from vllm_overlay.models import tiny_hybrid_dir
+        from vllm_overlay.tools.models import tiny_hybrid_dir
 
         return tiny_hybrid_dir()
     src = os.path.join(HERE, "models", f"{model}.json")

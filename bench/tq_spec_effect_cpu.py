@@ -77,7 +77,7 @@ def child(mode: str, model: str, out: str, tokens: int, mem: float) -> None:
 def model_dir(name: str, experts: int | None, scratch: str) -> str:
     if name == "tiny":
         sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
-        from vllm_overlay.models import tiny_hybrid_dir
+        from vllm_overlay.tools.models import tiny_hybrid_dir
 
         src = os.path.join(tiny_hybrid_dir(), "config.json")
     elif os.path.isdir(name):

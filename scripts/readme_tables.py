@@ -2,7 +2,7 @@
 the patches and support-levels tables (README.md), the support matrix and its evidence
 (docs/support.md), the settings table and the token-budget priority (docs/settings.md), and the
 generated block of every patch's page (docs/patches/ID.md; a missing page is created with empty
-hand-written sections). vllm_overlay.docs renders them from the specs, the levels and the settings."""
+hand-written sections). vllm_overlay.tools.docs renders them from the specs, the levels and the settings."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "src"))
 
-from vllm_overlay import docs  # noqa: E402
+from vllm_overlay.tools import docs  # noqa: E402
 
 
 def main() -> int:

@@ -104,7 +104,7 @@ def main() -> int:
         break_proof(patch_id, release)
     from vllm import LLM, SamplingParams
 
-    from vllm_overlay.models import tiny_hybrid_dir
+    from vllm_overlay.tools.models import tiny_hybrid_dir
 
     result: dict = {"argv": sys.argv[1:], "report_dir": os.environ.get("VLLM_OVERLAY_REPORT_DIR")}
     t0 = time.time()

@@ -8,7 +8,8 @@ import dataclasses
 
 import pytest
 
-from vllm_overlay import matrix, sources, wheels
+from vllm_overlay import sources
+from vllm_overlay.tools import matrix, wheels
 from vllm_overlay.errors import AnchorError
 from vllm_overlay.mechanisms import rewrite
 from vllm_overlay.spec import Rewrite

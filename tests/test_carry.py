@@ -179,7 +179,7 @@ def test_strict_stops_at_a_patch_whose_check_fails(overlay, monkeypatch) -> None
 
 
 def test_plan_and_doctor_say_before_start_up_what_start_up_logs(monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
-    from vllm_overlay.cli.main import main
+    from vllm_overlay.tools.cli.main import main
 
     for k, v in PRESENT.items():
         monkeypatch.setenv(k, v)
@@ -228,7 +228,7 @@ def test_an_engine_on_a_newer_release_applies_the_carried_patches_and_they_act(s
 def test_the_proposal_names_rows_failures_and_diffs(tmp_path) -> None:
     """`verify --propose --out` against the installed sources (read as a release newer than the matrix),
     diffed against themselves as the base: every target unchanged, nothing fails."""
-    from vllm_overlay import matrix
+    from vllm_overlay.tools import matrix
 
     read = sources.installed_reader()
     text = matrix.proposal(NEWER, read, "0.32.0", read)

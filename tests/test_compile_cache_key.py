@@ -31,9 +31,15 @@ def test_a_changed_declaration_changes_what_enters_the_key(monkeypatch: pytest.M
 
 
 def test_the_key_factor_is_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What core binds (PatchContext) decides the factor; the patch never asks core."""
+    monkeypatch.setattr(cck, "_context", [cck.UNBOUND])
+    assert cck.overlay_factor() == ""  # nothing bound: no live patch
     monkeypatch.setattr(core, "traced_code_digest_parts", lambda: [])
+    cck.bind(core.context())
     assert cck.overlay_factor() == ""
     monkeypatch.setattr(core, "traced_code_digest_parts", lambda: ["gdn-output-prealloc"])
+    assert cck.overlay_factor() == ""  # the context holds the function it was handed
+    cck.bind(core.context())
     monkeypatch.setenv("VLLM_OVERLAY_PREALLOC_TOKEN_BUDGET", "4096")
     env = ["VLLM_OVERLAY_PREALLOC_TOKEN_BUDGET=4096", "VLLM_OVERLAY_GDN_MAX_BATCHED_TOKENS=None",
            "VLLM_OVERLAY_TEST_BUFFER_ROWS=None", "VLLM_OVERLAY_TEST_GUARD=True"]

@@ -81,6 +81,60 @@ def test_switches() -> None:
     assert "requires 'compile-cache-key'" in d["gdn-output-prealloc"].reason
 
 
+def test_the_gdn_buffer_requires_forward_telemetry() -> None:
+    """Its floor (budget.largest_forward) reads the runner limit forward-telemetry records: without it the
+    buffer is skipped, the requirement named, not applied on a floor read from elsewhere."""
+    assert gdn.SPEC.requires == ("compile-cache-key", "forward-telemetry")
+    d = by_id(core.decide({"VLLM_OVERLAY_DISABLE": "forward-telemetry"}))
+    assert d["gdn-output-prealloc"].status == "skipped"
+    assert "requires 'forward-telemetry', which is off: disabled by VLLM_OVERLAY_DISABLE" in d["gdn-output-prealloc"].reason
+
+
+@pytest.mark.parametrize("change, said", [
+    ({"requires": ("no-such-patch",)}, "requires names 'no-such-patch', which is no patch of the registry; expected ids of: "),
+    ({"conflicts": ("gdn-output-prealloc",)}, "conflicts names the patch itself"),
+    ({"requires": ("forward-telemetry",), "conflicts": ("forward-telemetry",)},
+     "requires and conflicts both name 'forward-telemetry'; expected one"),
+])
+def test_dependencies_name_registry_patches(monkeypatch: pytest.MonkeyPatch, change: dict, said: str) -> None:  # type: ignore[type-arg]
+    from vllm_overlay.errors import OverlayError
+
+    monkeypatch.setattr(gdn, "SPEC", dataclasses.replace(gdn.SPEC, **change))
+    core._order_checked[0] = ()
+    with pytest.raises(OverlayError, match="the dependencies between the registry's patches") as err:
+        core.registry()
+    assert f"PatchSpec 'gdn-output-prealloc': {said}" in str(err.value)
+    core._order_checked[0] = ()
+
+
+def test_a_cycle_of_requires_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_overlay.errors import OverlayError
+    from vllm_overlay.patches import forward_telemetry as ft
+
+    monkeypatch.setattr(ft, "SPEC", dataclasses.replace(ft.SPEC, requires=("gdn-output-prealloc",)))
+    core._order_checked[0] = ()
+    with pytest.raises(OverlayError, match="'forward-telemetry' -> 'gdn-output-prealloc' -> 'forward-telemetry': "
+                                           "requires forms a cycle"):
+        core.registry()
+    core._order_checked[0] = ()
+
+
+def test_core_binds_the_context_the_patches_read(overlay) -> None:  # type: ignore[no-untyped-def]
+    """compile-cache-key and profile-run-cap read the other patches through the PatchContext core binds
+    (hook "bind"), never through core."""
+    from vllm_overlay.context import UNBOUND
+    from vllm_overlay.patches import compile_cache_key as cck
+
+    cck.bind(UNBOUND)
+    core.register()
+    ctx = cck._context[0]
+    assert ctx is not UNBOUND and ctx.specs == core.specs()
+    assert "gdn-output-prealloc" in ctx.traced_code_ids() and "compile-cache-key" in ctx.applied_ids()
+    assert ctx.traced_settings() == cck.SPEC.settings and cck.overlay_factor() != ""
+    core.revert()
+    assert ctx.traced_code_ids() == [] and cck.overlay_factor() == ""
+
+
 def test_unknown_id_lists_known_ids() -> None:
     with pytest.raises(UnknownPatchError) as err:
         core.decide({"VLLM_OVERLAY_DISABLE": "gdn-prealloc"})

@@ -1,4 +1,4 @@
-"""The generated parts of the README and the docs pages (vllm_overlay.docs, scripts/readme_tables.py):
+"""The generated parts of the README and the docs pages (vllm_overlay.tools.docs, scripts/readme_tables.py):
 every patch has a page docs/patches/ID.md whose generated block is what its spec renders now, no page
 names an unknown id, and rewriting a page keeps its hand-written sections."""
 
@@ -9,7 +9,7 @@ import shutil
 import subprocess
 import sys
 
-from vllm_overlay import docs, matrix
+from vllm_overlay.tools import docs, matrix
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

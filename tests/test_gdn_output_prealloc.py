@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from vllm_overlay import sources, wheels
+from vllm_overlay import sources
+from vllm_overlay.tools import wheels
 from vllm_overlay.errors import AnchorError
 from vllm_overlay.mechanisms import rewrite
 from vllm_overlay.patches import gdn_output_prealloc as patch

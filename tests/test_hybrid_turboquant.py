@@ -77,7 +77,7 @@ def _model_config(name: str, tmp_path) -> object:  # type: ignore[no-untyped-def
     from vllm.config import ModelConfig
 
     if name == "tiny":
-        from vllm_overlay.models import tiny_hybrid_dir
+        from vllm_overlay.tools.models import tiny_hybrid_dir
 
         path = tiny_hybrid_dir()
     else:

@@ -155,7 +155,7 @@ def test_every_proven_cell_names_a_known_patch_on_a_cell_where_it_applies() -> N
 
 
 def test_plan_and_doctor_line(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from vllm_overlay.cli import levels_line
+    from vllm_overlay.tools.cli import levels_line
 
     line = levels_line.line(versions.Installed("vllm", "0.20.2", "cuda"), {})
     assert line is not None and line.startswith(
@@ -199,7 +199,7 @@ def test_plan_and_doctor_print_the_line_whole() -> None:
 def test_results_written_now_are_matched_without_provenance(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A stress.json the harness writes today, and a bench.py result with today's report summary, carry
     release, platform, runner, patch statuses and date: matched to a cell with nothing by hand."""
-    from vllm_overlay.stress.verdict import Outcome, judge
+    from vllm_overlay.tools.stress.verdict import Outcome, judge
 
     worker = {"role": "worker rank 0", "vllm_version": "0.26.0", "platform": "cuda",
               "runner": {"kind": "V1", "class": "vllm.v1.worker.gpu_model_runner.GPUModelRunner"},
@@ -250,7 +250,7 @@ def test_a_patch_whose_counters_say_it_did_nothing_is_not_shown_by_that_run() ->
 def test_the_line_names_a_worker_report_gathered_by_its_engine_core(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A worker in another process than its engine core reaches the folder inside the engine core's report
     (rank-reports): the newest runner record then has no file of its own, and the line says where it came."""
-    from vllm_overlay.cli import levels_line
+    from vllm_overlay.tools.cli import levels_line
 
     worker = {"pid": 9, "written": 2.0, "vllm_version": "0.32.0", "role": "worker rank 0", "tp_rank": 0,
               "runner": {"kind": "V1", "class": "x"}}
@@ -283,7 +283,7 @@ def test_0_34_has_no_v1_cell_and_runner() -> None:
 
 
 def test_doctor_says_0_34_refuses_a_v1_request(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from vllm_overlay.cli import doctor
+    from vllm_overlay.tools.cli import doctor
 
     for value in ("0", "false", "true", ""):
         env = {"VLLM_USE_V2_MODEL_RUNNER": value, "VLLM_OVERLAY_REPORT_DIR": str(tmp_path)}

@@ -12,8 +12,9 @@ import sys
 
 import pytest
 
-from vllm_overlay import core, matrix, sources, versions, wheels
-from vllm_overlay.cli import plan
+from vllm_overlay import core, sources, versions
+from vllm_overlay.tools import matrix, wheels
+from vllm_overlay.tools.cli import plan
 from vllm_overlay.mechanisms import rewrite
 from vllm_overlay.registry import PATCH_MODULES
 

@@ -88,7 +88,7 @@ def test_zero_turns_it_off_with_the_setting_named(monkeypatch, tmp_path, caplog)
 
 
 def test_doctor_warns_when_it_is_off() -> None:
-    from vllm_overlay.cli.doctor import findings
+    from vllm_overlay.tools.cli.doctor import findings
 
     off = findings(None, {"VLLM_OVERLAY_MEMORY_HEADROOM": "0", "VLLM_OVERLAY_PROFILE_RUN_CAP": "4096"})
     assert any(level == "warning" and "VLLM_OVERLAY_MEMORY_HEADROOM=0: unsafe" in text for level, text in off)
@@ -409,8 +409,8 @@ def test_watch_windows_and_the_one_warning(tmp_path, caplog) -> None:  # type: i
 def test_report_command_prints_the_headroom_line() -> None:
     """`vllm-overlay report` shows each worker's correction on one line (a recorded CPU record)."""
     from vllm_overlay import headroom
-    from vllm_overlay.cli.report import print_reports
-    from vllm_overlay.output import Out
+    from vllm_overlay.tools.cli.report import print_reports
+    from vllm_overlay.tools.output import Out
     from test_headroom import CPU
 
     rec = headroom.plan(**CPU).to_json()  # type: ignore[arg-type]

@@ -13,7 +13,7 @@ import pytest
 
 from vllm_overlay import core, metrics, report_files, server_id
 from vllm_overlay.report import STATE
-from vllm_overlay.stress import metrics_text
+from vllm_overlay.tools.stress import metrics_text
 from vllm_overlay.telemetry import in_band, merge_sizes
 
 
@@ -181,8 +181,8 @@ def ephemeral():  # type: ignore[no-untyped-def]
 
 
 def test_band_edges_must_be_bucket_edges() -> None:
-    from vllm_overlay.stress.plan import UsageError
-    from vllm_overlay.stress.run import _check_band_edges
+    from vllm_overlay.tools.stress.plan import UsageError
+    from vllm_overlay.tools.stress.run import _check_band_edges
 
     s = metrics_text.Scrape(buckets={e: 0 for e in (512, 1024, 1500, 2048)})
     _check_band_edges(1024, 2048, s)
@@ -192,7 +192,7 @@ def test_band_edges_must_be_bucket_edges() -> None:
 
 
 def test_read_metrics_bounds_the_largest_forward(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from vllm_overlay.stress import run
+    from vllm_overlay.tools.stress import run
 
     before = metrics_text.Scrape(buckets={1024: 5, 2048: 5}, max_forward=2009)
     after = metrics_text.Scrape(buckets={1024: 8, 2048: 20}, max_forward=2009,

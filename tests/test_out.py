@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import io
+import subprocess
+import sys
 
-from vllm_overlay.output import Out
+from conftest import clean_env
+from vllm_overlay.tools.output import NO_RICH as NO_RICH_LINE
+from vllm_overlay.tools.output import Out
 
 LONG_ID = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn:QwenGatedDeltaNetAttention.forward_cuda"
 
@@ -54,3 +58,42 @@ def test_a_long_word_in_a_wrapped_column_is_never_cut() -> None:
         assert "VLLM_OVERLAY_PREFILL_CHUNK_CLAMP" in text and "turboquant-v1-kv-shape" in text, (width, text)
         if "│" in text:  # a table (else plain lines, one per row, never wrapped by us)
             assert all(len(line) <= width for line in text.splitlines()), width
+
+
+# Without the tools extra: rich is made unimportable in a fresh process (a finder placed first refuses
+# it; this machine has rich installed, so its absence is the one thing simulated here).
+NO_RICH = "import sys\nclass NoRich:\n    def find_spec(self, name, path=None, target=None):\n" \
+          "        if name == 'rich' or name.startswith('rich.'):\n" \
+          "            raise ModuleNotFoundError(\"No module named 'rich'\", name='rich')\n" \
+          "sys.meta_path.insert(0, NoRich())\n"
+
+
+def _no_rich(code: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", NO_RICH + code, *args], env=clean_env(), capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_without_rich_tables_are_plain_lines_and_a_terminal_is_told_once() -> None:
+    r = _no_rich(
+        "import io\nfrom vllm_overlay.tools.output import Out\nfrom vllm_overlay.tools.progress import Ticker\n"
+        "buf = io.StringIO()\nout = Out(buf, force_plain=False)\n"
+        "out.table('plan', ('patch', 'decision'), [['gdn-output-prealloc', 'would apply']])\n"
+        "out.heading('settings')\nout.line('done', 'ok')\n"
+        "with Ticker(out, 2) as t:\n    t.advance(); t.advance()\n"
+        "print(buf.getvalue(), end='')\nprint('rich' in sys.modules)\n")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[:4] == ["plan:", "  gdn-output-prealloc: decision=would apply", "== settings ==",
+                                         "done"]
+    assert r.stdout.splitlines()[-1] == "False"
+    assert r.stderr.splitlines() == [NO_RICH_LINE]
+
+
+def test_without_rich_a_pipe_gets_no_hint() -> None:
+    r = _no_rich("import io\nfrom vllm_overlay.tools.output import Out\nOut(io.StringIO()).table('t', ('a',), [['x']])\n")
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+
+
+def test_without_rich_the_command_runs() -> None:
+    r = _no_rich("from vllm_overlay.tools.cli.main import main\nsys.exit(main(sys.argv[1:]))\n", "plan")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "compile-cache-key" in r.stdout and "Traceback" not in r.stderr

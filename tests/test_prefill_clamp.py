@@ -74,7 +74,7 @@ def _real_scheduler(chunked: bool):  # type: ignore[no-untyped-def]
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
-    from vllm_overlay.models import tiny_hybrid_dir
+    from vllm_overlay.tools.models import tiny_hybrid_dir
 
     sched = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=1024, max_model_len=1024,
                             enable_chunked_prefill=chunked, is_encoder_decoder=False)

@@ -13,7 +13,7 @@ import pytest
 from packaging.version import Version
 
 from vllm_overlay import core, versions
-from vllm_overlay.models import __file__ as models_file
+from vllm_overlay.tools.models import __file__ as models_file
 from vllm_overlay.patches import prefill_chunk_clamp as clamp
 from vllm_overlay.report import STATE
 

@@ -102,7 +102,7 @@ def test_metrics_and_cli_show_every_rank(apart, capsys) -> None:  # type: ignore
     count = [s[2] for s in fam["vllm_overlay_forward_scheduled_tokens"] if s[0].endswith("_count")]
     assert count == [sum(merge_sizes(apart["reports"]).values())]
     assert fam["vllm_overlay_rank_missing"] == []
-    from vllm_overlay.cli.main import main
+    from vllm_overlay.tools.cli.main import main
 
     assert main(["report", base]) == 0
     text = capsys.readouterr().out
@@ -122,7 +122,7 @@ def test_a_rank_without_the_overlay_is_named_missing(rank1_bare, capsys) -> None
     sid = workers(rank1_bare["reports"])[0]["server_id"]
     (sample,) = families(base, sid)["vllm_overlay_rank_missing"]
     assert sample[1]["rank"] == "1" and "did not register" in sample[1]["why"]
-    from vllm_overlay.cli.main import main
+    from vllm_overlay.tools.cli.main import main
 
     assert main(["report", base]) == 1
     assert "rank 1 of the engine core pid" in capsys.readouterr().out

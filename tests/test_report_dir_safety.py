@@ -18,7 +18,7 @@ import pytest
 from conftest import PY, clean_env
 from test_cli import BIN
 from vllm_overlay import metrics, report_files, reports, server_id, settings
-from vllm_overlay.stress import metrics_text
+from vllm_overlay.tools.stress import metrics_text
 
 
 def dead_pid() -> int:

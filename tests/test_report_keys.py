@@ -14,7 +14,7 @@ import pytest
 
 from conftest import PY, clean_env, load_reports
 from vllm_overlay import metrics, report_files, server_id
-from vllm_overlay.stress import metrics_text
+from vllm_overlay.tools.stress import metrics_text
 
 HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "overlay_process.py")
 

@@ -17,7 +17,7 @@ BIN = os.path.join(os.path.dirname(sys.executable), "vllm-overlay")
 
 
 def tiny() -> str:
-    from vllm_overlay.models import tiny_hybrid_dir
+    from vllm_overlay.tools.models import tiny_hybrid_dir
 
     return tiny_hybrid_dir()
 

@@ -25,7 +25,7 @@ CPU_ARGS = ["--max-model-len", "8192", "--max-num-seqs", "32", "--enforce-eager"
 
 
 def tiny() -> str:
-    from vllm_overlay.models import tiny_hybrid_dir
+    from vllm_overlay.tools.models import tiny_hybrid_dir
 
     return tiny_hybrid_dir()
 
@@ -149,7 +149,7 @@ def test_server_mode_passes_and_reads_the_servers_reports(server, tmp_path) -> N
     assert res["mode"] == "server" and res["band_forwards"] >= 10 and res["requests_failed"] == 0
     assert res["warmup_s"] > 0 and res["waves_timed"] >= 1
     assert res["limits"]["max_num_batched_tokens"] == 2048  # read from the server's live config
-    from vllm_overlay.stress import metrics_text
+    from vllm_overlay.tools.stress import metrics_text
 
     scraped = metrics_text.scrape(server.url)  # one API server: the default registry serves our series
     assert scraped.found and scraped.band(1024, 2048) >= res["band_forwards"] and scraped.buffer_rows == [2048]

@@ -21,8 +21,8 @@ from conftest import clean_env
 from standin_server import StandIn
 from test_cli import BIN
 from vllm_overlay import report_files, server_id
-from vllm_overlay.output import Out
-from vllm_overlay.stress import run, server
+from vllm_overlay.tools.output import Out
+from vllm_overlay.tools.stress import run, server
 
 
 @pytest.fixture
@@ -162,7 +162,7 @@ def test_a_stalled_engine_ends_within_duration_and_grace(standin, tmp_path, monk
 
 
 def test_a_server_that_trickles_its_answer_is_cut_off_before_traffic(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from vllm_overlay.stress import target
+    from vllm_overlay.tools.stress import target
 
     monkeypatch.setattr(target, "PREFLIGHT_S", 3.0)
     lsock = socket.socket()

@@ -15,8 +15,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from vllm_overlay.stress import server
-from vllm_overlay.stress.plan import Limits, make_plan
+from vllm_overlay.tools.stress import server
+from vllm_overlay.tools.stress.plan import Limits, make_plan
 
 
 class StandIn:

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from conftest import clean_env
-from vllm_overlay.models import tiny_hybrid_dir
+from vllm_overlay.tools.models import tiny_hybrid_dir
 from vllm_overlay.telemetry import merge_sizes
 
 pytestmark = pytest.mark.engine
@@ -85,7 +85,7 @@ def test_band_stress_passes_with_two_ranks(tp2_model, tmp_path) -> None:  # type
 
 
 def test_tensor_parallel_size_must_be_positive() -> None:
-    from vllm_overlay.cli.main import main
+    from vllm_overlay.tools.cli.main import main
 
     with pytest.raises(SystemExit) as err:
         main(["stress", "--model", "x", "--tensor-parallel-size", "0"])

@@ -2,7 +2,7 @@
 resume after a time limit, and the moe-configs patch picking the written file up.
 
 The kernel timing needs CUDA, which this machine does not have: a fake ``bench`` stands in for
-vLLM's fused-MoE kernel timed in a CUDA graph (``vllm_overlay.tune.cuda``). It returns a
+vLLM's fused-MoE kernel timed in a CUDA graph (``vllm_overlay.tools.tune.cuda``). It returns a
 deterministic time per config with one known fastest config, so the search, the files and the
 resume are checked exactly. Everything else is the real code."""
 
@@ -16,15 +16,15 @@ from collections import Counter
 
 import pytest
 
-from vllm_overlay.cli.main import build_parser, main
-from vllm_overlay.output import Out
-from vllm_overlay.cli import tune_moe
+from vllm_overlay.tools.cli.main import build_parser, main
+from vllm_overlay.tools.output import Out
+from vllm_overlay.tools.cli import tune_moe
 from vllm_overlay.mechanisms.install import install
 from vllm_overlay.mechanisms.wrap import installing
-from vllm_overlay.tune import run as tunerun
-from vllm_overlay.tune import space
-from vllm_overlay.tune.run import Backend, Options
-from vllm_overlay.tune.space import Shape
+from vllm_overlay.tools.tune import run as tunerun
+from vllm_overlay.tools.tune import space
+from vllm_overlay.tools.tune.run import Backend, Options
+from vllm_overlay.tools.tune.space import Shape
 
 DEVICE = "NVIDIA_H200"
 BEST = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1, "num_warps": 4,

@@ -21,11 +21,12 @@ from typing import Any
 import pytest
 import torch
 
-from vllm_overlay import core, versions, wheels
+from vllm_overlay import core, versions
 from vllm_overlay.mechanisms import wrap as wrapmech
 from vllm_overlay.mechanisms.install import install
 from vllm_overlay.patches import turboquant_spec_decode as tsd
 from vllm_overlay.report import STATE
+from vllm_overlay.tools import wheels
 
 # ---- the decision ------------------------------------------------------------------------------
 

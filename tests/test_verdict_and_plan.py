@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_overlay.stress.plan import Limits, UsageError, make_plan
-from vllm_overlay.stress.verdict import DID_NOT_TEST, FAILED, PASSED, Outcome, judge, sizes_delta
+from vllm_overlay.tools.stress.plan import Limits, UsageError, make_plan
+from vllm_overlay.tools.stress.verdict import DID_NOT_TEST, FAILED, PASSED, Outcome, judge, sizes_delta
 
 WORKER = [{"patches": {"forward-telemetry": {"status": "applied"}}, "counters": {"guard_trips": 0}}]
 
@@ -105,7 +105,7 @@ def test_tensor_parallel_ranks_are_counted_once() -> None:
 
 
 def test_slow_waves_are_named() -> None:
-    from vllm_overlay.stress.verdict import slow_waves
+    from vllm_overlay.tools.stress.verdict import slow_waves
 
     assert slow_waves([1.0, 1.1, 0.9, 5.0, 1.0]) == [{"wave": 4, "s": 5.0, "median_s": 1.0}]
     assert slow_waves([1.0, 1.1]) == []  # too few waves for a median to mean anything

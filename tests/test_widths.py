@@ -17,14 +17,15 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from vllm_overlay import matrix, settings
+from vllm_overlay import settings
+from vllm_overlay.tools import matrix
 
 WIDTHS = range(60, 201)
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
 def _parser() -> argparse.ArgumentParser:
-    from vllm_overlay.cli.main import build_parser
+    from vllm_overlay.tools.cli.main import build_parser
 
     return build_parser()
 
@@ -94,9 +95,9 @@ def reports_dir(tmp_path) -> str:  # type: ignore[no-untyped-def]
 
 def commands(directory: str) -> dict[str, Callable[[], object]]:
     """Each command as the command line runs it (parsed once; run, or its --help printed, per width)."""
-    from vllm_overlay.output import Out
-    from vllm_overlay.stress import run as stress_run
-    from vllm_overlay.stress.verdict import Outcome, judge
+    from vllm_overlay.tools.output import Out
+    from vllm_overlay.tools.stress import run as stress_run
+    from vllm_overlay.tools.stress.verdict import Outcome, judge
 
     parser = _parser()
 

@@ -103,7 +103,7 @@ def test_installed_wrappers_follow_the_declared_order(tmp_path, monkeypatch) -> 
 
 
 def test_hooks_are_declared_in_the_spec(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """A patch module's prepare()/on_revert() run only as its spec declares them (PatchSpec.hooks): a
+    """A patch module's prepare()/on_revert()/bind() run only as its spec declares them (PatchSpec.hooks): a
     module that defines one its spec does not declare (or declares one it lacks) stops the registry."""
     import dataclasses
 
@@ -115,7 +115,7 @@ def test_hooks_are_declared_in_the_spec(monkeypatch) -> None:  # type: ignore[no
     from vllm_overlay.spec import PatchSpec
 
     for spec, module in core.registry():
-        defined = {h for h in ("prepare", "on_revert") if callable(getattr(module, h, None))}
+        defined = {h for h in ("prepare", "on_revert", "bind") if callable(getattr(module, h, None))}
         assert set(spec.hooks) == defined, spec.id
     monkeypatch.setattr(mod, "SPEC", dataclasses.replace(mod.SPEC, hooks=()))
     core._order_checked[0] = ()

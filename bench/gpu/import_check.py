@@ -184,7 +184,7 @@ def main() -> int:
 
         model = args.model_dir
         if not model:
-            from vllm_overlay.models import tiny_hybrid_dir
+            from vllm_overlay.tools.models import tiny_hybrid_dir
 
             model = tiny_hybrid_dir()
         cfg = EngineArgs(model=model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",

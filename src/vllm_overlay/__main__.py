@@ -3,6 +3,6 @@
 
 import sys
 
-from vllm_overlay.cli.main import main
+from vllm_overlay.tools.cli.main import main
 
 sys.exit(main())

@@ -21,13 +21,14 @@ from types import ModuleType
 from typing import Any
 
 from vllm_overlay import carry, levels, report_files, server_id, settings, versions
+from vllm_overlay.context import PatchContext
 from vllm_overlay.errors import OverlayError, PatchConflictError, SettingError, StrictModeError, UnknownPatchError
 from vllm_overlay.mechanisms import install as installmech
 from vllm_overlay.mechanisms import wrap as wrapmech
 from vllm_overlay import logs
 from vllm_overlay.logs import LOG
 from vllm_overlay.report import STATE
-from vllm_overlay.spec import HOOKS, PatchSpec, version_problems, wrap_order_problems
+from vllm_overlay.spec import HOOKS, PatchSpec, dependency_problems, version_problems, wrap_order_problems
 
 
 def unknown_release(version: str, environ: Mapping[str, str] | None = None) -> str:
@@ -118,7 +119,9 @@ _order_checked: list[tuple[PatchSpec, ...]] = [()]  # the specs last found in or
 
 def _check_specs(all_specs: tuple[PatchSpec, ...]) -> None:
     """Once per set of spec objects: every spec's version facts agree with versions.RELEASES
-    (spec.version_problems: each problem of every spec, one line each), the registry's install order
+    (spec.version_problems: each problem of every spec, one line each), every ``requires`` and
+    ``conflicts`` names another registry patch and no requirement is circular
+    (spec.dependency_problems), the registry's install order
     agrees with every spec's ``wraps_outside``, and every function two patches change has an order
     declared (spec.wrap_order_problems); else an OverlayError."""
     last = _order_checked[0]
@@ -131,6 +134,10 @@ def _check_specs(all_specs: tuple[PatchSpec, ...]) -> None:
     if problems:
         raise OverlayError("the patches' version facts disagree with versions.RELEASES (the one list of "
                            "releases) or with each other: " + "; ".join(problems))
+    problems = dependency_problems(all_specs)
+    if problems:
+        raise OverlayError("the dependencies between the registry's patches are not declared consistently: "
+                           + "; ".join(problems))
     problems = wrap_order_problems(all_specs)
     if problems:
         raise OverlayError("the wrap order of the registry's patches is not declared consistently: "
@@ -309,6 +316,12 @@ def traced_code_digest_parts() -> list[str]:
     return sorted(pid for pid, a in _ACTIVE.items() if a.live and a.spec.changes_traced_code)
 
 
+def context() -> PatchContext:
+    """What a patch that declares the hook ``bind`` is handed: this process's live patches, read when
+    asked (the patches never import core)."""
+    return PatchContext(applied_ids=active_ids, traced_code_ids=traced_code_digest_parts, specs=specs())
+
+
 def _undo_all(active: Active) -> list[str]:
     """Undo every change of ``active`` (last first); returns one line per change that could not be
     undone (those stay in ``active.installed`` so a later revert() tries again)."""
@@ -454,6 +467,8 @@ def register() -> None:
                         LOG.info("patch %s skipped: %s", d.spec.id, d.reason)
                 continue
             module = modules[d.spec.id]
+            if "bind" in d.spec.hooks:
+                module.bind(context())
             active = Active(d.spec, module, pending=set(d.spec.modules(d.release or inst.version, inst.platform)),
                             release=d.release)
             _ACTIVE[d.spec.id] = active

@@ -24,7 +24,7 @@ BEYOND_MATRIX = ("", "carry", "never")  # PatchSpec.beyond_matrix ("": undeclare
 # a patch armed in another process (API server, engine core) that waits only for these acts in the workers,
 # and reports say so (reports.shown_status) instead of "armed" forever.
 WORKER_MODULES = ("vllm.v1.worker.", "vllm.model_executor.layers.")
-HOOKS = ("prepare", "on_revert")  # the patch-module functions a spec may declare (PatchSpec.hooks)
+HOOKS = ("prepare", "on_revert", "bind")  # the patch-module functions a spec may declare (PatchSpec.hooks)
 
 
 @dataclass(frozen=True)
@@ -159,9 +159,11 @@ class PatchSpec:
     # report counters of which one above 0 shows the patch did nothing in that process although applied
     # (e.g. memory-headroom's headroom_not_corrected): a run with one proves nothing for the patch
     idle_by: tuple[str, ...] = ()
-    # functions of the patch module that mechanisms/install.py and core.revert call: "prepare"
-    # (prepare(module_name), before the first wrap once a target module is imported) and
-    # "on_revert" (on_revert(), after its wrappers are removed); a module defining one must declare it
+    # functions of the patch module that mechanisms/install.py and core call: "prepare"
+    # (prepare(module_name), before the first wrap once a target module is imported),
+    # "on_revert" (on_revert(), after its wrappers are removed) and "bind" (bind(context), the
+    # process's context.PatchContext, before its first target is installed: a patch reads the other
+    # patches through it, never through core); a module defining one must declare it
     hooks: tuple[str, ...] = ()
     # ids of the patches whose wrappers this one's enclose on every vLLM function both change (this
     # one sees the call first and passes on what it changed): two patches that change one
@@ -349,6 +351,55 @@ def wrap_order_problems(specs: Sequence[PatchSpec]) -> list[str]:
             problems.append(f"PatchSpecs {a!r} and {b!r} both change {where} on vLLM {v} and declare no order "
                             f"between them; expected wraps_outside={(a,)!r} on {b!r} (or the other way round, "
                             "with the registry order to match)")
+    return problems
+
+
+def dependency_problems(specs: Sequence[PatchSpec]) -> list[str]:
+    """What is wrong with the declared dependencies of ``specs`` (the registry), one line each: a
+    ``requires`` or ``conflicts`` entry that is no patch id of the registry or names the patch itself, a
+    patch both requiring and conflicting with another, a cycle of ``requires``. core skips a patch whose
+    requirement does not apply (with the reason), so a requirement left undeclared would let a patch
+    apply without what it reads."""
+    problems: list[str] = []
+    ids = [s.id for s in specs]
+    by_id = {s.id: s for s in specs}
+    for spec in specs:
+        for field_name in ("requires", "conflicts"):
+            names = getattr(spec, field_name)
+            if isinstance(names, str):
+                problems.append(f"PatchSpec {spec.id!r}: {field_name}={names!r}: expected a tuple of patch ids")
+                continue
+            for other in names:
+                if other == spec.id:
+                    problems.append(f"PatchSpec {spec.id!r}: {field_name} names the patch itself; expected the "
+                                    "ids of other patches")
+                elif other not in by_id:
+                    problems.append(f"PatchSpec {spec.id!r}: {field_name} names {other!r}, which is no patch of "
+                                    f"the registry; expected ids of: {', '.join(ids)}")
+        for other in set(spec.requires) & set(spec.conflicts):
+            problems.append(f"PatchSpec {spec.id!r}: requires and conflicts both name {other!r}; expected one")
+
+    def cycle_from(start: str) -> list[str] | None:
+        path, stack = [start], [iter(by_id[start].requires)]
+        while stack:
+            nxt = next(stack[-1], None)
+            if nxt is None:
+                stack.pop()
+                path.pop()
+            elif nxt == start:
+                return [*path, start]
+            elif nxt in by_id and nxt not in path:
+                path.append(nxt)
+                stack.append(iter(by_id[nxt].requires))
+        return None
+
+    seen: set[frozenset[str]] = set()
+    for spec in specs:
+        cycle = cycle_from(spec.id) if not isinstance(spec.requires, str) else None
+        if cycle and frozenset(cycle) not in seen:
+            seen.add(frozenset(cycle))
+            problems.append(f"PatchSpecs {' -> '.join(repr(c) for c in cycle)}: requires forms a cycle; expected "
+                            "a patch never to require itself through others")
     return problems
 
 

@@ -15,7 +15,7 @@ import math
 
 import pytest
 
-from vllm_overlay.tune import cuda
+from vllm_overlay.tools.tune import cuda
 
 SKIP = cuda.cuda_problem()
 pytestmark = pytest.mark.skipif(SKIP is not None, reason=f"tune-moe needs a CUDA GPU: {SKIP}")
@@ -24,11 +24,11 @@ pytestmark = pytest.mark.skipif(SKIP is not None, reason=f"tune-moe needs a CUDA
 def test_tunes_two_batch_sizes_and_the_patch_uses_the_file(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     import importlib
 
-    from vllm_overlay.output import Out
+    from vllm_overlay.tools.output import Out
     from vllm_overlay.patches import moe_configs
     from vllm_overlay.report import STATE
-    from vllm_overlay.tune import run as tunerun
-    from vllm_overlay.tune.space import Shape
+    from vllm_overlay.tools.tune import run as tunerun
+    from vllm_overlay.tools.tune.space import Shape
 
     fm = importlib.import_module("vllm.model_executor.layers.fused_moe.fused_moe")
     backend = cuda.backend(iters=3)

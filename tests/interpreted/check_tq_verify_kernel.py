@@ -218,7 +218,7 @@ def _load_store(version: str) -> Any:
     import types
     import zipfile
 
-    from vllm_overlay import wheels
+    from vllm_overlay.tools import wheels
 
     assert getattr(sys.modules.get("triton"), "__file__", None), "triton must be the real package here"
     with zipfile.ZipFile(wheels.fetch_vllm_wheel(version)) as z:

@@ -6,6 +6,7 @@ import hashlib
 from typing import Any
 
 from vllm_overlay import settings
+from vllm_overlay.context import UNBOUND, PatchContext
 from vllm_overlay.spec import PatchSpec, Proof, Support, Target
 
 MODULE = "vllm.config.vllm"
@@ -16,7 +17,9 @@ FACTOR_KEY = "vllm_overlay"  # the entry the overlay adds to compile_factors() (
 
 def traced_settings() -> tuple[str, ...]:
     """The settings that change what the overlay's traced code does: every registry patch with
-    ``changes_traced_code`` names them in its ``traced_settings`` (in registry order, each once)."""
+    ``changes_traced_code`` names them in its ``traced_settings`` (in registry order, each once). Read
+    from the other patches' specs for this spec's ``settings`` (what it reads); the key itself reads them
+    from the context core binds (PatchContext.traced_settings, the same list)."""
     import importlib
 
     from vllm_overlay.registry import PATCH_MODULES
@@ -66,6 +69,7 @@ def _spec() -> PatchSpec:
         default=True,
         retire_when="vLLM offers a hook for plugins to contribute to the compile-cache key.",
         settings=traced_settings(),  # what it reads: the traced patches' traced_settings
+        hooks=("bind",),
         beyond_matrix="carry",
         beyond_matrix_why=("it only folds the overlay's traced-code patches into vLLM's compile-cache key; where "
                            "VllmConfig.compute_hash is gone its wrap fails at start-up, loudly"),
@@ -81,14 +85,20 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+_context: list[PatchContext] = [UNBOUND]  # what core binds before the first target is installed
+
+
+def bind(context: PatchContext) -> None:
+    _context[0] = context
+
+
 def overlay_factor() -> str:
     """'' when no live patch changes traced code, else a stable digest of what does."""
-    from vllm_overlay.core import traced_code_digest_parts
-
-    parts = traced_code_digest_parts()
+    context = _context[0]
+    parts = context.traced_code_ids()
     if not parts:
         return ""
-    env = [f"{n}={settings.resolve(n).value!r}" for n in traced_settings()]
+    env = [f"{n}={settings.resolve(n).value!r}" for n in context.traced_settings()]
     from vllm_overlay import __version__
 
     return hashlib.sha256("|".join([__version__, *parts, *env]).encode()).hexdigest()

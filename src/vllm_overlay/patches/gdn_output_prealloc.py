@@ -215,7 +215,9 @@ SPEC = PatchSpec(
         "vLLM allocates the GDN output from a persistent buffer sized by max_num_batched_tokens "
         "itself, or the per-forward torch.zeros shows no cost in bench/ (then turn it off)."
     ),
-    requires=("compile-cache-key",),
+    # compile-cache-key: the rewritten forward is traced code; forward-telemetry: it records the live
+    # runner's max_num_tokens, which the buffer's floor (budget.largest_forward) reads
+    requires=("compile-cache-key", "forward-telemetry"),
     settings=(
         "VLLM_OVERLAY_PREALLOC_TOKEN_BUDGET", "VLLM_OVERLAY_GDN_MAX_BATCHED_TOKENS",
         "VLLM_OVERLAY_STRICT", "VLLM_OVERLAY_TEST_BUFFER_ROWS", "VLLM_OVERLAY_TEST_GUARD",

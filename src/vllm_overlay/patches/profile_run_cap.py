@@ -6,6 +6,7 @@ import weakref
 from typing import Any
 
 from vllm_overlay import settings
+from vllm_overlay.context import UNBOUND, PatchContext
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.patches import _runner
 from vllm_overlay.patches._runner import (
@@ -23,7 +24,7 @@ from vllm_overlay.spec import PatchSpec, Proof, Support, Target
 
 SPEC = PatchSpec(
     id="profile-run-cap",
-    hooks=("on_revert",),
+    hooks=("on_revert", "bind"),
     title="Cap the memory-profiling dummy forward (never a buffer size)",
     why=(
         "vLLM profiles activation memory with one dummy forward of max_num_batched_tokens tokens. "
@@ -132,10 +133,15 @@ def _dummy_run(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[
     return wrapped(*args, **kwargs)
 
 
-def _headroom_live() -> bool:
-    from vllm_overlay.core import active_ids
+_context: list[PatchContext] = [UNBOUND]  # what core binds before the first target is installed
 
-    return "memory-headroom" in active_ids()
+
+def bind(context: PatchContext) -> None:
+    _context[0] = context
+
+
+def _headroom_live() -> bool:
+    return "memory-headroom" in _context[0].applied_ids()
 
 
 def never_captures(runner: Any) -> str | None:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_overlay.errors import OverlayError
-from vllm_overlay.tune import space
+from vllm_overlay.tools.tune import space
 
 BAD_USAGE, NO_CUDA = 2, 2
 MAX_BATCH = 65536
@@ -79,7 +79,7 @@ def _int_list(flag: str, text: str, lo: int, hi: int, sort: bool = True) -> list
 def options(args: argparse.Namespace) -> Any:
     """Validate every argument (one TuneUsageError naming the flag, the value and what is accepted)."""
     from vllm_overlay.patches.moe_configs import user_dir
-    from vllm_overlay.tune.run import Options
+    from vllm_overlay.tools.tune.run import Options
 
     experts = _int("--experts", args.experts, 1, 1024)
     inter = _int_list("--intermediate", args.intermediate, 16, 65536, sort=False)
@@ -119,8 +119,8 @@ def options(args: argparse.Namespace) -> Any:
 
 def run(args: argparse.Namespace, backend_factory: Callable[[], Any] | None = None) -> int:
     """``backend_factory``: the GPU side (tests pass a fake; default: vLLM's kernel on CUDA)."""
-    from vllm_overlay.output import Out
-    from vllm_overlay.tune import run as tunerun
+    from vllm_overlay.tools.output import Out
+    from vllm_overlay.tools.tune import run as tunerun
 
     try:
         opts = options(args)
@@ -128,7 +128,7 @@ def run(args: argparse.Namespace, backend_factory: Callable[[], Any] | None = No
         print(f"vllm-overlay tune-moe: bad usage: {exc}", file=sys.stderr)
         return BAD_USAGE
     if backend_factory is None:
-        from vllm_overlay.tune import cuda
+        from vllm_overlay.tools.tune import cuda
 
         problem = cuda.cuda_problem()
         if problem:

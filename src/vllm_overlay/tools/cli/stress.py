@@ -6,7 +6,7 @@ import argparse
 import math
 import os
 
-from vllm_overlay.stress.plan import UsageError
+from vllm_overlay.tools.stress.plan import UsageError
 
 
 def band(text: str) -> tuple[int, int]:
@@ -120,7 +120,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 
 def options(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from vllm_overlay.stress.run import Options
+    from vllm_overlay.tools.stress.run import Options
 
     return Options(model=args.model, url=args.url, allow_remote=args.allow_remote, band=args.band,
                    min_band_forwards=args.min_band_forwards, requests=args.requests,
@@ -132,7 +132,7 @@ def options(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 
 def run(args: argparse.Namespace) -> int:
-    from vllm_overlay.stress.run import execute
+    from vllm_overlay.tools.stress.run import execute
 
     try:
         result = execute(options(args))

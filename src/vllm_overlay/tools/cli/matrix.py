@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from vllm_overlay import matrix
+from vllm_overlay.tools import matrix
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -27,7 +27,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 
 def run(args: argparse.Namespace) -> int:
-    from vllm_overlay.output import Out
+    from vllm_overlay.tools.output import Out
     from vllm_overlay.versions import installed_vllm
 
     inst = installed_vllm()

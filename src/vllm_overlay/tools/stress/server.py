@@ -12,11 +12,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_overlay.stress import http
-from vllm_overlay.stress.plan import Plan, UsageError
-from vllm_overlay.stress.target import PREFLIGHT_S, ServerError
-from vllm_overlay.stress.traffic import prompt
-from vllm_overlay.stress.verdict import Outcome
+from vllm_overlay.tools.stress import http
+from vllm_overlay.tools.stress.plan import Plan, UsageError
+from vllm_overlay.tools.stress.target import PREFLIGHT_S, ServerError
+from vllm_overlay.tools.stress.traffic import prompt
+from vllm_overlay.tools.stress.verdict import Outcome
 
 
 def check_url(url: str, allow_remote: bool) -> str:

@@ -11,14 +11,14 @@ from typing import Any
 
 from vllm_overlay import settings
 from vllm_overlay.budget import BUDGET_SETTINGS
-from vllm_overlay.output import Out
-from vllm_overlay.progress import Ticker
+from vllm_overlay.tools.output import Out
+from vllm_overlay.tools.progress import Ticker
 from vllm_overlay.reports import Scan, scan, shared_line
-from vllm_overlay.stress import metrics_text
-from vllm_overlay.stress import plan as planmod
-from vllm_overlay.stress.plot import forward_sizes_png
-from vllm_overlay.stress.target import ServerError
-from vllm_overlay.stress.verdict import BAD_USAGE, DID_NOT_TEST, NAMES, SLOW_FACTOR, UNREACHABLE, Outcome, judge, sizes_delta
+from vllm_overlay.tools.stress import metrics_text
+from vllm_overlay.tools.stress import plan as planmod
+from vllm_overlay.tools.stress.plot import forward_sizes_png
+from vllm_overlay.tools.stress.target import ServerError
+from vllm_overlay.tools.stress.verdict import BAD_USAGE, DID_NOT_TEST, NAMES, SLOW_FACTOR, UNREACHABLE, Outcome, judge, sizes_delta
 from vllm_overlay.telemetry import in_band, merge_sizes
 
 
@@ -189,9 +189,9 @@ def _execute(opts: Options, out: Out) -> dict[str, Any]:
         limits = _limits_offline(opts.engine_args)
         report_dir = os.path.abspath(os.path.join(opts.out, "reports"))
     else:
-        from vllm_overlay.stress import server
+        from vllm_overlay.tools.stress import server
 
-        from vllm_overlay.stress import target as targetmod
+        from vllm_overlay.tools.stress import target as targetmod
 
         base = server.check_url(opts.url or "", opts.allow_remote)
         preflight_end = time.monotonic() + targetmod.PREFLIGHT_S
@@ -233,7 +233,7 @@ def _execute(opts: Options, out: Out) -> dict[str, Any]:
     boot_s = None
     since = time.time()
     if opts.model:
-        from vllm_overlay.stress import offline
+        from vllm_overlay.tools.stress import offline
 
         os.makedirs(report_dir, exist_ok=True)
         os.environ["VLLM_OVERLAY_REPORT_DIR"] = report_dir  # inherited by the engine's processes
@@ -280,7 +280,7 @@ def _execute(opts: Options, out: Out) -> dict[str, Any]:
                 outcome = offline.run(llm, plan, opts.duration, opts.seed, tick, after_warmup)
                 _shutdown(llm)
         else:
-            from vllm_overlay.stress import server
+            from vllm_overlay.tools.stress import server
 
             def band_count() -> int:
                 # band forwards since the warm-up, read as the verdict will read them

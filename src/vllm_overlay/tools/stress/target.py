@@ -17,8 +17,8 @@ import urllib.error
 from dataclasses import dataclass
 
 from vllm_overlay.errors import OverlayError
-from vllm_overlay.stress import http, metrics_text
-from vllm_overlay.stress.plan import UsageError
+from vllm_overlay.tools.stress import http, metrics_text
+from vllm_overlay.tools.stress.plan import UsageError
 
 PREFLIGHT_S = 60.0  # every request before traffic, answers included, ends within this
 

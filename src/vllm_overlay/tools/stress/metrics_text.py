@@ -77,6 +77,6 @@ def _proc(out: Scrape, labels: dict[str, str]) -> dict[str, Any]:
 
 def scrape(base: str, timeout: float = 30, api_key: str | None = None) -> Scrape:
     """GET /metrics, parsed; the whole answer within ``timeout`` s (stress/http.py)."""
-    from vllm_overlay.stress import http
+    from vllm_overlay.tools.stress import http
 
     return parse(http.get(f"{base}/metrics", api_key, timeout).decode())

@@ -21,7 +21,8 @@ from __future__ import annotations
 import os
 import re
 
-from vllm_overlay import budget, levels, matrix, settings, versions
+from vllm_overlay import budget, levels, settings, versions
+from vllm_overlay.tools import matrix
 from vllm_overlay.spec import PatchSpec
 
 # file (relative to the project root) -> the generated sections it holds

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from vllm_overlay.output import Out
-from vllm_overlay.cli.stress import add_engine_args, engine_args
+from vllm_overlay.tools.output import Out
+from vllm_overlay.tools.cli.stress import add_engine_args, engine_args
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -22,9 +22,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 
 def run(args: argparse.Namespace) -> int:
-    from vllm_overlay.cli.report import load, print_reports
-    from vllm_overlay.models import tiny_hybrid_dir
-    from vllm_overlay.stress.run import Options, execute
+    from vllm_overlay.tools.cli.report import load, print_reports
+    from vllm_overlay.tools.models import tiny_hybrid_dir
+    from vllm_overlay.tools.stress.run import Options, execute
     from vllm_overlay.versions import installed_vllm
 
     out = Out()

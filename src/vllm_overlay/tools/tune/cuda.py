@@ -13,7 +13,7 @@ import inspect
 import os
 from typing import Any
 
-from vllm_overlay.tune.space import Shape, config_file_name
+from vllm_overlay.tools.tune.space import Shape, config_file_name
 
 GRAPH_CALLS = 10  # calls captured in one CUDA graph; one replay is timed as GRAPH_CALLS calls
 
@@ -131,7 +131,7 @@ def backend(iters: int = 5, seed: int = 0):  # type: ignore[no-untyped-def]
     import vllm
     fm = importlib.import_module("vllm.model_executor.layers.fused_moe.fused_moe")  # the module, not a name
 
-    from vllm_overlay.tune.run import Backend
+    from vllm_overlay.tools.tune.run import Backend
 
     probe = fm.get_config_file_name(1, 1, None)
     device = probe.split("device_name=", 1)[1].removesuffix(".json")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 
 from vllm_overlay import carry, settings, versions
-from vllm_overlay.cli import levels_line
+from vllm_overlay.tools.cli import levels_line
 from vllm_overlay.core import decide, unknown_release
-from vllm_overlay.output import Out
+from vllm_overlay.tools.output import Out
 
 STYLE = {"planned": "ok", "off": "dim", "skipped": "warning", "upstream-merged": "info", "not-needed": "info"}
 

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_overlay.stress.plan import quarter_edges
+from vllm_overlay.tools.stress.plan import quarter_edges
 from vllm_overlay.telemetry import in_band
 
 PASSED, FAILED, BAD_USAGE, DID_NOT_TEST, UNREACHABLE = 0, 1, 2, 3, 4

@@ -1,14 +1,12 @@
 """Progress of long work (stress waves, tuning): a bar on a terminal; in a pipe or a log a plain
-line every 10 % or 30 s."""
+line every 10 % or 30 s (also on a terminal without rich, the tools extra)."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-from vllm_overlay.output import Out
+from vllm_overlay.tools.output import Out
 
 
 class Ticker:
@@ -16,8 +14,11 @@ class Ticker:
         self.out, self.total, self.label = out, total, label
         self.done, self.t0 = 0, time.perf_counter()
         self.last = (0, self.t0)
-        self.progress: Progress | None = None
+        self.progress: Any = None  # a rich Progress on a terminal
+        out.say_no_rich()
         if not out.plain:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
             self.progress = Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(),
                                      TimeElapsedColumn(), console=out.console, transient=False)
             self.task = self.progress.add_task(label, total=total)

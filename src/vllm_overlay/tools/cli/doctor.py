@@ -9,9 +9,9 @@ from packaging.version import Version
 
 from vllm_overlay import carry, levels, reports, settings, versions
 from vllm_overlay.budget import BUDGET_SETTINGS
-from vllm_overlay.cli import levels_line
+from vllm_overlay.tools.cli import levels_line
 from vllm_overlay.errors import OverlayError, SettingError
-from vllm_overlay.output import Out
+from vllm_overlay.tools.output import Out
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -8,7 +8,8 @@ import argparse
 import re
 import sys
 
-from vllm_overlay import matrix, sources, versions, wheels
+from vllm_overlay import sources, versions
+from vllm_overlay.tools import matrix, wheels
 from vllm_overlay.errors import OverlayError
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from vllm_overlay.output import Out
+from vllm_overlay.tools.output import Out
 from vllm_overlay.reports import load, scan, shown_status, waiting_for  # noqa: F401 - load re-exported
 from vllm_overlay.telemetry import bucket_counts, merge_sizes
 

@@ -17,11 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_overlay.output import Out
-from vllm_overlay.tune import space
-from vllm_overlay.progress import Ticker
-from vllm_overlay.tune.space import Shape
-from vllm_overlay.tune.state import TuneState, atomic_write_json
+from vllm_overlay.tools.output import Out
+from vllm_overlay.tools.tune import space
+from vllm_overlay.tools.progress import Ticker
+from vllm_overlay.tools.tune.space import Shape
+from vllm_overlay.tools.tune.state import TuneState, atomic_write_json
 
 DONE, TIME_LIMIT = 0, 3  # exit codes: every batch size tuned / stopped by --time-limit (rerun resumes)
 

@@ -9,9 +9,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from vllm_overlay.stress.plan import Plan
-from vllm_overlay.stress.traffic import prompt
-from vllm_overlay.stress.verdict import Outcome
+from vllm_overlay.tools.stress.plan import Plan
+from vllm_overlay.tools.stress.traffic import prompt
+from vllm_overlay.tools.stress.verdict import Outcome
 
 
 class _NoTokenizerWarmup(logging.Filter):

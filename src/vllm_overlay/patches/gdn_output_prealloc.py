@@ -377,7 +377,9 @@ def needs_buffer(layer: Any) -> bool:
     0.34.0 only a layer that takes the fused spec-decode path (``enable_fused_gdn_spec_decode``)."""
     from packaging.version import Version
 
-    version = STATE.vllm_version
+    # the release whose rewrite is in place: on a release newer than the matrix, the one whose rows were
+    # carried over (its forward's allocations are what the rewrite replaced)
+    version = STATE.carried_from or STATE.vllm_version
     if not version or Version(version) < Version(EMPTY_MAIN_FROM):
         return True
     if getattr(layer, "enable_fused_gdn_spec_decode", False):

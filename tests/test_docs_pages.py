@@ -173,3 +173,11 @@ def test_support_page_statements_agree_with_the_levels() -> None:
         assert runners, (version, what)
         said |= {(version, platform, r) for r in runners}
     assert said == _proven(), sorted(said ^ _proven())
+
+
+def test_the_readme_stays_short() -> None:
+    """The README is the user's page (the changelog and glossary live beside it): under 2,500 words, as
+    `wc -w` counts them."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        words = len(f.read().split())
+    assert words < 2500, f"README.md has {words} words; move detail to docs/ (expected under 2,500)"

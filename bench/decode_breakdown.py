@@ -367,7 +367,7 @@ def fail(option: str, value: object, accepted: str) -> None:
 
 def model_config(model: str) -> dict[str, Any]:
     if model == "tiny":  # stack.py's name for the package's tiny hybrid
-        model = os.path.join(os.path.dirname(HERE), "src", "vllm_overlay", "models", "tiny-hybrid")
+        model = os.path.join(os.path.dirname(HERE), "src", "vllm_overlay", "tools", "models", "tiny-hybrid")
     path = model if model.endswith(".json") else os.path.join(model, "config.json") if os.path.isdir(model) else \
         os.path.join(HERE, "models", f"{model}.json")
     if not os.path.isfile(path):

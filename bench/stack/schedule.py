@@ -153,6 +153,11 @@ def warm_up(name: str, plan: list[tuple[str, list[str], str | None]], t_end: flo
     say(f"series {name}: warm-up done in {time.time() - t0:.0f} s")
 
 
+# what one look at a label tells its queue: look again, leave the queue (the next run of the same command
+# resumes it), or go on to the next label
+AGAIN, LEAVE, NEXT_LABEL = "again", "leave", "next label"
+
+
 def run_series_queue(name: str, items: list[tuple[str, list[str], tuple[str, ...]]], gpu: str | None,
                      t_end: float, opts: dict[str, Any], after: str | None = None) -> None:
     """Each label in turn on one GPU: boot, wait, what its item asks for (steps resumed by the next run
@@ -172,181 +177,257 @@ def run_series_queue(name: str, items: list[tuple[str, list[str], tuple[str, ...
             if left < 5:
                 return
             if st is None:
-                if index == 0 and after is not None and not stagger_gate(after, opts["stagger"], t_end):
-                    return
-                if opts.get("profile_alone") and not WINDOWS.boot(label, gpu, t_end):
-                    return
-                if not QUIET.start(label, gpu, t_end):
-                    return
-                dispatch(["boot", label, *boot_args, *(["--gpu", gpu] if gpu is not None else []), "--wait", "0"])
-                if series_state(label) is None:
-                    WINDOWS.unbooked(label, gpu)
-                    QUIET.end(label)
-                    REFUSED[label] = "boot refused its arguments (see above)"
-                    break  # nothing to resume: the next label
-                series_mark(label, series=name)
-                continue
-            rc = wait(label, left - 5)
-            if rc == 2:
-                return  # still booting: the next run waits on
-            QUIET.end(label)  # booted or died
-            booted = load_state(label).get("healthy_after_s") is not None
-            if "runner" not in mark:  # the first time it serves or has died: which model runner it built
-                log_text = serve_log(label)
-                ev, compiled = runner_evidence(sdir(label), log_text), compile_source(log_text)
-                series_mark(label, runner=ev["built"], runner_from=ev["built_from"], compile=compiled)
-                want = opts.get("expect_runner")
-                say(f"series: {label}: model runner {'/'.join(ev['built']) or 'unknown'} "
-                    f"({ev['built_from'] or 'no overlay report names it, no V2 line in the log'})"
-                    + (f", {want} expected" if want else "") + f"; torch.compile: {compiled}")
-                if want and ev["built"] and ev["built"] != [want]:
-                    why = f"its workers built the {'/'.join(ev['built'])} model runner, {want} expected"
-                    series_mark(label, failed=why)
-                    ABORTED[label] = why
-                    dispatch(["stop", label])
-                    return
-                continue
-            if "guard" in phases and (rc == 1 or "guard_stress_rc" in mark):
-                # the forced buffer is expected to stop the server with the overlay's CapacityError: at boot,
-                # or under the band traffic sent once it served (its log says which, whether or not the API
-                # server process outlived the engine)
-                when = "under band traffic" if booted else "at boot"
-                if runner_evidence(sdir(label), serve_log(label))["capacity_error"]:
-                    series_mark(label, expected=f"stopped {when} with the overlay's CapacityError (as expected)")
-                    dispatch(["stop", label])
-                    series_mark(label, done=True)
-                else:
-                    series_mark(label, failed=(f"died {when} WITHOUT the overlay's CapacityError (see its log)"
-                                               if rc == 1 else "served band traffic without the overlay's "
-                                               "CapacityError: the guard did not stop it"))
-                    dispatch(["stop", label])
-                continue
-            if rc == 1:
-                series_mark(label, failed="the server died" if booted else "boot failed")
-                dispatch(["stop", label])  # whatever is left of it frees the GPU
-                fallback = (None if booted or mark.get("retry")
-                            else boot_fallback(boot_args, serve_log(label), opts["fallbacks"]))
-                if fallback is not None:
-                    # boot once more with the one thing that stopped it left out; the failed boot's state
-                    # and bundle are kept aside
-                    args, why = fallback
-                    put_aside(label, "failed-boot")
-                    say(f"series: {label}: boot failed {why}; booting again {why.replace('with ', 'without ', 1)}")
-                    if opts.get("profile_alone") and not WINDOWS.boot(label, gpu, t_end):
-                        return
-                    if not QUIET.start(label, gpu, t_end):
-                        return
-                    dispatch(["boot", label, *args, *(["--gpu", gpu] if gpu is not None else []), "--wait", "0"])
-                    if series_state(label) is not None:
-                        series_mark(label, series=name, retry=why.replace("with ", "without ", 1))
-                    else:
-                        WINDOWS.unbooked(label, gpu)
-                continue
-            if "guard" in phases:  # it serves: band traffic must meet the guard
-                if t_end - time.time() < opts["guard_stress_s"] + SERIES_STRESS_EXTRA_S:
-                    return
-                say(f"series: {label}: it serves; band traffic next, which the forced buffer cannot hold")
-                rc = traffic(label, gpu, t_end, ["stress", label, *opts["guard_stress"]])
-                if rc is None:
-                    return
-                series_mark(label, guard_stress_rc=rc)
-                continue
-            steps_left = mark.get("steps_rc") != 0 and mark.get("steps_attempts", 0) < SERIES_STEPS_ATTEMPTS
-            if "steps" in phases and steps_left:
-                budget = t_end - time.time() - SERIES_RESERVE_S
-                # a warm-up round is not cut by the budget and may compile kernels for minutes
-                if budget < (SERIES_ROUND_S if st.get("warm_streams") else SERIES_WARMUP_S):
-                    return
-                if opts.get("steps_alone"):
-                    if not QUIET.alone(label, gpu, t_end):
-                        return
-                    budget = t_end - time.time() - SERIES_RESERVE_S
-                    if budget < (SERIES_ROUND_S if st.get("warm_streams") else SERIES_WARMUP_S):
-                        QUIET.end_alone(label, gpu)
-                        return
-                try:
-                    rc = dispatch(["steps", label, *opts["steps"], *budget_args(budget)])
-                finally:
-                    QUIET.end_alone(label, gpu)
-                # steps cut short by the budget (3) is no attempt; done (0) or with failed points (4) is
-                series_mark(label, steps_rc=rc, steps_attempts=mark.get("steps_attempts", 0) + (rc != 3))
-                if rc not in (0, 3, 4):
-                    series_mark(label, failed=f"steps ended with {rc} (the server died?)")
-                    dispatch(["stop", label])
-                    continue
-                if rc == 3:
-                    if t_end - time.time() < SERIES_RESERVE_S:
-                        return
-                    continue
-            if "memory" in phases and mark.get("memory_rc") != 0:
-                budget = t_end - time.time() - SERIES_RESERVE_S
-                if budget < opts["memory_least_s"]:
-                    return
-                if opts.get("profile_alone") and not WINDOWS.traffic_start(label, gpu, t_end):
-                    return
-                if not QUIET.start(label, gpu, t_end):
-                    if opts.get("profile_alone"):
-                        WINDOWS.traffic_end(gpu)
-                    return
-                try:
-                    rc = dispatch(["memory", label, *opts["memory"], *opts["memory_by_label"].get(label, []),
-                                   *budget_args(t_end - time.time() - SERIES_RESERVE_S)])
-                finally:
-                    QUIET.end(label)
-                    if opts.get("profile_alone"):
-                        WINDOWS.traffic_end(gpu)
-                # cut short by the budget (3): the phases measured are kept and the next run goes on
-                series_mark(label, memory_rc=rc)
-                if rc not in (0, 3):
-                    series_mark(label, failed=f"memory ended with {rc} (the server died?)")
-                    dispatch(["stop", label])
-                    continue
-                if rc == 3:
-                    if t_end - time.time() < SERIES_RESERVE_S:
-                        return
-                    continue
-            logprobs_first = ("logprobs" in phases and "stress" in phases
-                              and phases.index("logprobs") < phases.index("stress")
-                              and opts["logprobs"] is not None and "logprobs_rc" not in mark)
-            if "stress" in phases and "stress_rc" not in mark and not logprobs_first:
-                if t_end - time.time() < opts["stress_s"] + SERIES_STRESS_EXTRA_S:
-                    return  # a stress is not resumable: it starts only with room for all of it
-                rc = traffic(label, gpu, t_end, ["stress", label, *opts["stress"]])
-                if rc is None:
-                    return
-                series_mark(label, stress_rc=rc, stress=stress_verdict(label))
-                if not alive(load_state(label)["pid"]):
-                    series_mark(label, failed=f"the server died during the stress (exit {rc})")
-                    dispatch(["stop", label])
-                continue
-            if "logprobs" in phases and opts["logprobs"] is not None and "logprobs_rc" not in mark:
-                if t_end - time.time() < 30:
-                    return
-                rc = traffic(label, gpu, t_end, ["logprobs", label, *opts["logprobs"]])
-                if rc is None:
-                    return
-                series_mark(label, logprobs_rc=rc)
-                continue
-            if "continuation" in phases and opts["continuation"] is not None and "continuation_rc" not in mark:
-                if t_end - time.time() < 30:
-                    return
-                rc = traffic(label, gpu, t_end, ["continuation", label, *opts["continuation"]])
-                if rc is None:
-                    return
-                series_mark(label, continuation_rc=rc)
-                continue
-            if t_end - time.time() < 20:
+                step = boot_label(name, label, boot_args, gpu, t_end, opts, after if index == 0 else None)
+            else:
+                step = look_at_label(name, label, boot_args, phases, gpu, t_end, opts, st, mark, left)
+            if step == LEAVE:
                 return
-            if opts.get("profile_alone") and not WINDOWS.traffic_start(label, gpu, t_end):
-                return  # a stop frees memory: not during another server's profiling window
-            try:  # nor during another's speed measurement alone on the GPU: the teardown loads the host
-                rc = traffic(label, gpu, t_end, ["stop", label])
-            finally:
-                if opts.get("profile_alone"):
-                    WINDOWS.traffic_end(gpu)
-            if rc is None:
-                return
-            series_mark(label, done=True)
+            if step == NEXT_LABEL:
+                break
+
+
+def boot_label(name: str, label: str, boot_args: list[str], gpu: str | None, t_end: float,
+               opts: dict[str, Any], after: str | None) -> str:
+    """The label's first boot, once the queue before it (``after``), its profiling window and a quiet GPU
+    let it start; a boot that refused its arguments leaves nothing to resume."""
+    if after is not None and not stagger_gate(after, opts["stagger"], t_end):
+        return LEAVE
+    if opts.get("profile_alone") and not WINDOWS.boot(label, gpu, t_end):
+        return LEAVE
+    if not QUIET.start(label, gpu, t_end):
+        return LEAVE
+    dispatch(["boot", label, *boot_args, *(["--gpu", gpu] if gpu is not None else []), "--wait", "0"])
+    if series_state(label) is None:
+        WINDOWS.unbooked(label, gpu)
+        QUIET.end(label)
+        REFUSED[label] = "boot refused its arguments (see above)"
+        return NEXT_LABEL  # nothing to resume: the next label
+    series_mark(label, series=name)
+    return AGAIN
+
+
+def look_at_label(name: str, label: str, boot_args: list[str], phases: tuple[str, ...], gpu: str | None,
+                  t_end: float, opts: dict[str, Any], st: dict[str, Any], mark: dict[str, Any],
+                  left: float) -> str:
+    """A booted label: wait until it serves or dies, then the next thing its item asks for."""
+    rc = wait(label, left - 5)
+    if rc == 2:
+        return LEAVE  # still booting: the next run waits on
+    QUIET.end(label)  # booted or died
+    booted = load_state(label).get("healthy_after_s") is not None
+    if "runner" not in mark:  # the first time it serves or has died: which model runner it built
+        return check_runner(label, opts)
+    if "guard" in phases and (rc == 1 or "guard_stress_rc" in mark):
+        return guard_outcome(label, rc, booted)
+    if rc == 1:
+        return boot_failed(name, label, boot_args, gpu, t_end, opts, mark, booted)
+    if "guard" in phases:  # it serves: band traffic must meet the guard
+        if t_end - time.time() < opts["guard_stress_s"] + SERIES_STRESS_EXTRA_S:
+            return LEAVE
+        say(f"series: {label}: it serves; band traffic next, which the forced buffer cannot hold")
+        rc = traffic(label, gpu, t_end, ["stress", label, *opts["guard_stress"]])
+        if rc is None:
+            return LEAVE
+        series_mark(label, guard_stress_rc=rc)
+        return AGAIN
+    return run_phases(label, phases, gpu, t_end, opts, st, mark)
+
+
+def check_runner(label: str, opts: dict[str, Any]) -> str:
+    """Which model runner the label's workers built (and how torch.compile went), marked; another one than
+    the series expects stops the label and the series."""
+    log_text = serve_log(label)
+    ev, compiled = runner_evidence(sdir(label), log_text), compile_source(log_text)
+    series_mark(label, runner=ev["built"], runner_from=ev["built_from"], compile=compiled)
+    want = opts.get("expect_runner")
+    say(f"series: {label}: model runner {'/'.join(ev['built']) or 'unknown'} "
+        f"({ev['built_from'] or 'no overlay report names it, no V2 line in the log'})"
+        + (f", {want} expected" if want else "") + f"; torch.compile: {compiled}")
+    if want and ev["built"] and ev["built"] != [want]:
+        why = f"its workers built the {'/'.join(ev['built'])} model runner, {want} expected"
+        series_mark(label, failed=why)
+        ABORTED[label] = why
+        dispatch(["stop", label])
+        return LEAVE
+    return AGAIN
+
+
+def guard_outcome(label: str, rc: int, booted: bool) -> str:
+    """The forced buffer is expected to stop the server with the overlay's CapacityError: at boot, or
+    under the band traffic sent once it served (its log says which, whether or not the API server process
+    outlived the engine)."""
+    when = "under band traffic" if booted else "at boot"
+    if runner_evidence(sdir(label), serve_log(label))["capacity_error"]:
+        series_mark(label, expected=f"stopped {when} with the overlay's CapacityError (as expected)")
+        dispatch(["stop", label])
+        series_mark(label, done=True)
+    else:
+        series_mark(label, failed=(f"died {when} WITHOUT the overlay's CapacityError (see its log)"
+                                   if rc == 1 else "served band traffic without the overlay's "
+                                   "CapacityError: the guard did not stop it"))
+        dispatch(["stop", label])
+    return AGAIN
+
+
+def boot_failed(name: str, label: str, boot_args: list[str], gpu: str | None, t_end: float,
+                opts: dict[str, Any], mark: dict[str, Any], booted: bool) -> str:
+    """A server that died or never served: marked failed, stopped, and booted once more without what
+    stopped the boot where the series allows (boot_fallback)."""
+    series_mark(label, failed="the server died" if booted else "boot failed")
+    dispatch(["stop", label])  # whatever is left of it frees the GPU
+    fallback = (None if booted or mark.get("retry")
+                else boot_fallback(boot_args, serve_log(label), opts["fallbacks"]))
+    if fallback is not None:
+        # boot once more with the one thing that stopped it left out; the failed boot's state
+        # and bundle are kept aside
+        args, why = fallback
+        put_aside(label, "failed-boot")
+        say(f"series: {label}: boot failed {why}; booting again {why.replace('with ', 'without ', 1)}")
+        if opts.get("profile_alone") and not WINDOWS.boot(label, gpu, t_end):
+            return LEAVE
+        if not QUIET.start(label, gpu, t_end):
+            return LEAVE
+        dispatch(["boot", label, *args, *(["--gpu", gpu] if gpu is not None else []), "--wait", "0"])
+        if series_state(label) is not None:
+            series_mark(label, series=name, retry=why.replace("with ", "without ", 1))
+        else:
+            WINDOWS.unbooked(label, gpu)
+    return AGAIN
+
+
+def run_phases(label: str, phases: tuple[str, ...], gpu: str | None, t_end: float, opts: dict[str, Any],
+               st: dict[str, Any], mark: dict[str, Any]) -> str:
+    """A serving label's phases in the series' order (steps, memory, then stress, logprobs and
+    continuation), then its stop; ``mark`` is the label's series state as this look began."""
+    steps_left = mark.get("steps_rc") != 0 and mark.get("steps_attempts", 0) < SERIES_STEPS_ATTEMPTS
+    if "steps" in phases and steps_left:
+        step = steps_phase(label, gpu, t_end, opts, st, mark)
+        if step is not None:
+            return step
+    if "memory" in phases and mark.get("memory_rc") != 0:
+        step = memory_phase(label, gpu, t_end, opts)
+        if step is not None:
+            return step
+    step = traffic_phase(label, phases, gpu, t_end, opts, mark)
+    if step is not None:
+        return step
+    return stop_phase(label, gpu, t_end, opts)
+
+
+def steps_phase(label: str, gpu: str | None, t_end: float, opts: dict[str, Any], st: dict[str, Any],
+                mark: dict[str, Any]) -> str | None:
+    """`steps` within the deadline (alone on the GPU where the series asks); None: done, go on."""
+    budget = t_end - time.time() - SERIES_RESERVE_S
+    # a warm-up round is not cut by the budget and may compile kernels for minutes
+    if budget < (SERIES_ROUND_S if st.get("warm_streams") else SERIES_WARMUP_S):
+        return LEAVE
+    if opts.get("steps_alone"):
+        if not QUIET.alone(label, gpu, t_end):
+            return LEAVE
+        budget = t_end - time.time() - SERIES_RESERVE_S
+        if budget < (SERIES_ROUND_S if st.get("warm_streams") else SERIES_WARMUP_S):
+            QUIET.end_alone(label, gpu)
+            return LEAVE
+    try:
+        rc = dispatch(["steps", label, *opts["steps"], *budget_args(budget)])
+    finally:
+        QUIET.end_alone(label, gpu)
+    # steps cut short by the budget (3) is no attempt; done (0) or with failed points (4) is
+    series_mark(label, steps_rc=rc, steps_attempts=mark.get("steps_attempts", 0) + (rc != 3))
+    if rc not in (0, 3, 4):
+        series_mark(label, failed=f"steps ended with {rc} (the server died?)")
+        dispatch(["stop", label])
+        return AGAIN
+    if rc == 3:
+        if t_end - time.time() < SERIES_RESERVE_S:
+            return LEAVE
+        return AGAIN
+    return None
+
+
+def memory_phase(label: str, gpu: str | None, t_end: float, opts: dict[str, Any]) -> str | None:
+    """`memory` within the deadline (outside other servers' profiling windows); None: done, go on."""
+    budget = t_end - time.time() - SERIES_RESERVE_S
+    if budget < opts["memory_least_s"]:
+        return LEAVE
+    if opts.get("profile_alone") and not WINDOWS.traffic_start(label, gpu, t_end):
+        return LEAVE
+    if not QUIET.start(label, gpu, t_end):
+        if opts.get("profile_alone"):
+            WINDOWS.traffic_end(gpu)
+        return LEAVE
+    try:
+        rc = dispatch(["memory", label, *opts["memory"], *opts["memory_by_label"].get(label, []),
+                       *budget_args(t_end - time.time() - SERIES_RESERVE_S)])
+    finally:
+        QUIET.end(label)
+        if opts.get("profile_alone"):
+            WINDOWS.traffic_end(gpu)
+    # cut short by the budget (3): the phases measured are kept and the next run goes on
+    series_mark(label, memory_rc=rc)
+    if rc not in (0, 3):
+        series_mark(label, failed=f"memory ended with {rc} (the server died?)")
+        dispatch(["stop", label])
+        return AGAIN
+    if rc == 3:
+        if t_end - time.time() < SERIES_RESERVE_S:
+            return LEAVE
+        return AGAIN
+    return None
+
+
+def traffic_phase(label: str, phases: tuple[str, ...], gpu: str | None, t_end: float, opts: dict[str, Any],
+                  mark: dict[str, Any]) -> str | None:
+    """The next of stress, logprobs and continuation not run yet, in the item's order for stress and
+    logprobs; None: all of them ran."""
+    logprobs_first = ("logprobs" in phases and "stress" in phases
+                      and phases.index("logprobs") < phases.index("stress")
+                      and opts["logprobs"] is not None and "logprobs_rc" not in mark)
+    if "stress" in phases and "stress_rc" not in mark and not logprobs_first:
+        if t_end - time.time() < opts["stress_s"] + SERIES_STRESS_EXTRA_S:
+            return LEAVE  # a stress is not resumable: it starts only with room for all of it
+        rc = traffic(label, gpu, t_end, ["stress", label, *opts["stress"]])
+        if rc is None:
+            return LEAVE
+        series_mark(label, stress_rc=rc, stress=stress_verdict(label))
+        if not alive(load_state(label)["pid"]):
+            series_mark(label, failed=f"the server died during the stress (exit {rc})")
+            dispatch(["stop", label])
+        return AGAIN
+    if "logprobs" in phases and opts["logprobs"] is not None and "logprobs_rc" not in mark:
+        if t_end - time.time() < 30:
+            return LEAVE
+        rc = traffic(label, gpu, t_end, ["logprobs", label, *opts["logprobs"]])
+        if rc is None:
+            return LEAVE
+        series_mark(label, logprobs_rc=rc)
+        return AGAIN
+    if "continuation" in phases and opts["continuation"] is not None and "continuation_rc" not in mark:
+        if t_end - time.time() < 30:
+            return LEAVE
+        rc = traffic(label, gpu, t_end, ["continuation", label, *opts["continuation"]])
+        if rc is None:
+            return LEAVE
+        series_mark(label, continuation_rc=rc)
+        return AGAIN
+    return None
+
+
+def stop_phase(label: str, gpu: str | None, t_end: float, opts: dict[str, Any]) -> str:
+    """The label's stop once all its phases ran, then it is done."""
+    if t_end - time.time() < 20:
+        return LEAVE
+    if opts.get("profile_alone") and not WINDOWS.traffic_start(label, gpu, t_end):
+        return LEAVE  # a stop frees memory: not during another server's profiling window
+    try:  # nor during another's speed measurement alone on the GPU: the teardown loads the host
+        rc = traffic(label, gpu, t_end, ["stop", label])
+    finally:
+        if opts.get("profile_alone"):
+            WINDOWS.traffic_end(gpu)
+    if rc is None:
+        return LEAVE
+    series_mark(label, done=True)
+    return AGAIN
 
 
 def budget_args(budget: float) -> list[str]:

@@ -10,7 +10,6 @@ import json
 import os
 import shlex
 import subprocess
-import sys
 import threading
 import time
 
@@ -19,12 +18,9 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "bench")
 DATA = os.path.join(ROOT, "tests", "data")
-sys.path.insert(0, BENCH)
-import make_table  # noqa: E402
-
-sys.path.remove(BENCH)
-from bench import serve_measure as sm  # noqa: E402 - the project root is on the tests' path (pyproject.toml)
-from bench.stack import cli, collect, measure, schedule, series, server, verdicts, windows  # noqa: E402
+from bench import make_table  # the project root is on the tests' path (pyproject.toml)
+from bench import serve_measure as sm
+from bench.stack import cli, collect, measure, schedule, series, server, verdicts, windows
 
 
 def parse(argv: list[str]):  # type: ignore[no-untyped-def]

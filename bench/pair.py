@@ -32,16 +32,16 @@ import time
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import serve_measure as sm  # noqa: E402 - stdlib only
-import stack  # noqa: E402 - bench/stack.py: the servers' state, rounds and step arithmetic
+sys.path.insert(0, os.path.dirname(HERE))  # the project root: bench is a package
+from bench import serve_measure as sm  # noqa: E402 - stdlib only
+from bench.stack import measure, server  # noqa: E402 - bench/stack/: the servers' state, rounds and step arithmetic
 
 SPARE_PAIRS = 2  # pairs a point may add to make up pairs with a failed round
 
 
 def round_on(label: str, st: dict[str, Any], prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
     t0 = time.time()
-    got = stack.run_round(st["port"], stack.served_model(st), prompts, max_tokens)
+    got = measure.run_round(st["port"], measure.served_model(st), prompts, max_tokens)
     stats = sm.step_stats(got)
     errors = [g["error"] for g in got if g.get("error")]
     return {"step_ms": stats["step_ms"], "interval_ms": stats.get("interval_ms"), "steps": stats.get("steps"),
@@ -83,7 +83,7 @@ def limits(label: str, st: dict[str, Any]) -> tuple[int, int, float | None]:
     for key in ("mnbt", "max_model_len"):
         if not args.get(key):
             sys.exit(f"pair: {label}: its state has no vllm_args[{key!r}] (boot it with bench/stack.py boot)")
-    return int(args["mnbt"]), int(args["max_model_len"]), stack.log_number(label, r"KV cache size: ([0-9,]+) tokens")
+    return int(args["mnbt"]), int(args["max_model_len"]), measure.log_number(label, r"KV cache size: ([0-9,]+) tokens")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,14 +102,14 @@ def main(argv: list[str] | None = None) -> int:
     if a.tokens < 2 or a.reps < 1 or a.warmup < 0:
         sys.exit(f"pair: --tokens {a.tokens} --reps {a.reps} --warmup {a.warmup}: expected tokens >= 2, reps >= 1, "
                  "warmup >= 0")
-    streams, contexts = stack.int_list(a.streams, "--streams"), stack.int_list(a.contexts, "--contexts")
+    streams, contexts = measure.int_list(a.streams, "--streams"), measure.int_list(a.contexts, "--contexts")
     labels = (a.a, a.b)
-    states = {x: stack.load_state(x) for x in labels}
+    states = {x: server.load_state(x) for x in labels}
     for x in labels:
-        if stack.wait(x, 1) != 0:
+        if server.wait(x, 1) != 0:
             return 1
     lim = {x: limits(x, states[x]) for x in labels}
-    path = a.out or os.path.join(stack.out_base(), f"pair-{a.a}-{a.b}.json")
+    path = a.out or os.path.join(server.out_base(), f"pair-{a.a}-{a.b}.json")
     res: dict[str, Any] = {"kind": "pair", "a": a.a, "b": a.b, "tokens": a.tokens, "reps": a.reps,
                            "order": "A B, B A, A B, ... (the order flips every pair)",
                            "vllm_args": {x: states[x].get("vllm_args") for x in labels},
@@ -119,10 +119,10 @@ def main(argv: list[str] | None = None) -> int:
 
     def save() -> None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        stack.write_json(path, res)
+        server.write_json(path, res)
 
     def dead() -> str | None:
-        return next((x for x in labels if not stack.alive(states[x]["pid"])), None)
+        return next((x for x in labels if not server.alive(states[x]["pid"])), None)
 
     budget = min(lim[x][0] for x in labels)
     for n in streams:
@@ -131,17 +131,17 @@ def main(argv: list[str] | None = None) -> int:
             for x in labels:
                 r = round_on(x, states[x], [sm.prompt_ids(min(contexts), "pair-warmup", n, w, i) for i in range(n)], mt)
                 res["warmups"].append({"label": x, "streams": n, **r})
-                stack.say(f"pair: warm-up {x} {n} x {min(contexts)}: step {r['step_ms']} ms"
+                server.say(f"pair: warm-up {x} {n} x {min(contexts)}: step {r['step_ms']} ms"
                           + (f", errors {r['errors'][:2]}" if r["errors"] else ""))
     save()
     failed = False
     for n, c in [(n, c) for n in streams for c in contexts]:
-        key = stack.point_key(n, c)
+        key = measure.point_key(n, c)
         mt = sm.max_tokens_for(n, c, a.tokens, budget)
-        why = next((f"{x}: {m}" for x in labels if (m := stack.point_misfit(n, c, mt, lim[x][1], lim[x][2]))), None)
+        why = next((f"{x}: {m}" for x in labels if (m := measure.point_misfit(n, c, mt, lim[x][1], lim[x][2]))), None)
         if why:
             res["skipped"][key] = why
-            stack.say(f"pair: {key}: SKIPPED: {why}")
+            server.say(f"pair: {key}: SKIPPED: {why}")
             save()
             continue
         pt: dict[str, Any] = {"streams": n, "context": c, "max_tokens": mt, "pairs": [], "complete": False}
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             if gone:
                 res["server_died"] = gone
                 save()
-                stack.say(f"pair: {gone}: the server is not running any more; no further rounds")
+                server.say(f"pair: {gone}: the server is not running any more; no further rounds")
                 return 1
             prompts = [sm.prompt_ids(c, "pair", n, k, i) for i in range(n)]
             order = labels if k % 2 == 0 else labels[::-1]
@@ -164,18 +164,18 @@ def main(argv: list[str] | None = None) -> int:
             k += 1
             summarize(pt)
             save()
-            stack.say(f"pair: {key} pair {k} ({pair['order']}): {a.a} {ra} ms, {a.b} {rb} ms, {a.b} / {a.a} "
+            server.say(f"pair: {key} pair {k} ({pair['order']}): {a.a} {ra} ms, {a.b} {rb} ms, {a.b} / {a.a} "
                       f"{pair['ratio']}" + "".join(f", {x} ERRORS {got[x]['errors'][:2]}" for x in labels
                                                   if got[x]["errors"])
                       + "".join(f", {x} measured nothing: {got[x]['why']}" for x in labels if got[x].get("why")))
         pt["complete"] = len(valid_pairs(pt)) >= a.reps
         failed |= not pt["complete"]
         save()
-        stack.say(f"pair: {key}: {a.a} {(pt['a_ms'] or {}).get('median')} ms, {a.b} {(pt['b_ms'] or {}).get('median')} "
+        server.say(f"pair: {key}: {a.a} {(pt['a_ms'] or {}).get('median')} ms, {a.b} {(pt['b_ms'] or {}).get('median')} "
                   f"ms, {a.b} / {a.a} per pair {spread(pt['ratio'])}"
                   + (f", per two pairs in opposite orders {spread(pt['ratio_abba'])}" if pt["ratio_abba"] else "")
                   + ("" if pt["complete"] else f": NOT DONE ({a.reps} pairs asked)"))
-    stack.say(f"pair: wrote {path}")
+    server.say(f"pair: wrote {path}")
     return 4 if failed else 0
 
 

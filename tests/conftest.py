@@ -16,6 +16,10 @@ from typing import Any
 
 import pytest
 
+# the benchmarks' package, imported before any test module: bench scripts that tests import put bench/ first on
+# sys.path, where bench/bench.py would otherwise answer a later `import bench`
+import bench  # noqa: F401 - the project root is on the tests' path (pyproject.toml)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 PY = sys.executable
 OVERLAY_PREFIXES = ("VLLM_OVERLAY", "GENESIS_")

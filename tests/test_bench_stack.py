@@ -10,7 +10,6 @@ import json
 import os
 import shlex
 import subprocess
-import sys
 import threading
 import time
 
@@ -19,32 +18,29 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "bench")
 DATA = os.path.join(ROOT, "tests", "data")
-sys.path.insert(0, BENCH)
-import make_table  # noqa: E402
-import serve_measure as sm  # noqa: E402
-import stack  # noqa: E402
-
-sys.path.remove(BENCH)
+from bench import make_table  # the project root is on the tests' path (pyproject.toml)
+from bench import serve_measure as sm
+from bench.stack import cli, collect, measure, schedule, series, server, verdicts, windows
 
 
 def parse(argv: list[str]):  # type: ignore[no-untyped-def]
-    return stack.build_parser().parse_args(argv)
+    return cli.build_parser().parse_args(argv)
 
 
 @pytest.fixture
 def state(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
-    monkeypatch.setattr(stack, "STATE", str(tmp_path / "state"))
+    monkeypatch.setattr(server, "STATE", str(tmp_path / "state"))
     monkeypatch.setenv("OUT", str(tmp_path / "out"))
-    monkeypatch.setattr(stack, "REFUSED", {})
-    monkeypatch.setattr(stack, "ABORTED", {})
+    monkeypatch.setattr(schedule, "REFUSED", {})
+    monkeypatch.setattr(schedule, "ABORTED", {})
     return tmp_path
 
 
 def served(label: str, pid: int, **kv) -> None:  # type: ignore[no-untyped-def]
-    os.makedirs(os.path.join(stack.sdir(label), "reports"), exist_ok=True)
-    with open(os.path.join(stack.sdir(label), "serve.log"), "a") as f:
+    os.makedirs(os.path.join(server.sdir(label), "reports"), exist_ok=True)
+    with open(os.path.join(server.sdir(label), "serve.log"), "a") as f:
         f.write("INFO started\n")
-    stack.save_state(label, {"label": label, "pid": pid, "port": 1, "config": "overlay", "started": time.time(),
+    server.save_state(label, {"label": label, "pid": pid, "port": 1, "config": "overlay", "started": time.time(),
                              "healthy_after_s": 1.0, "vllm_args": {}, **kv})
 
 
@@ -113,7 +109,7 @@ def test_merge_reads_bundles_and_folders_and_the_page_shows_them(tmp_path) -> No
         (folder / name).write_text(json.dumps(data))
     (tmp_path / "stock.json").write_text(json.dumps(bundle("stock", "auto", 3, 11.5, lp_b, config="stock")))
     out = tmp_path / "stack-test.json"
-    assert stack.main(["merge", str(out), f"tq-mtp={tmp_path}/*/tq-mtp.json", f"tq-nomtp={tmp_path}/c2/tq-nomtp.json",
+    assert cli.main(["merge", str(out), f"tq-mtp={tmp_path}/*/tq-mtp.json", f"tq-nomtp={tmp_path}/c2/tq-nomtp.json",
                        f"bf16-mtp={folder}", f"stock={tmp_path}/stock.json", "--note", "2026-12-02, test"]) == 0
     res = json.load(open(out))
     assert "raw_last_rep" not in res["runs"]["tq-mtp"]["steps"]["points"]["1x2048"]
@@ -124,7 +120,7 @@ def test_merge_reads_bundles_and_folders_and_the_page_shows_them(tmp_path) -> No
     page = "\n".join(make_table.stack_section([str(out)]))
     assert "| 1 x 2048 | 12.00 (11.76-12.36) | 11.00 (10.78-11.33) | 1.091 (met) | 5.00 (4.90-5.15) |" in page
     assert "Logprobs, MTP on vs off `tq-mtp vs tq-nomtp (lp)`: first token, 1 prompts: top-1 equal 1/1" in page
-    assert stack.read_logprobs(f"{tmp_path}/c2/tq-nomtp.json#lp") == lp_b
+    assert measure.read_logprobs(f"{tmp_path}/c2/tq-nomtp.json#lp") == lp_b
 
 
 def test_recorded_verdicts_are_what_the_series_says_of_their_runs() -> None:
@@ -134,17 +130,17 @@ def test_recorded_verdicts_are_what_the_series_says_of_their_runs() -> None:
     for path in glob.glob(os.path.join(BENCH, "results", "stack-*.json")):
         d = json.load(open(path))
         named = {(r.get("series") or {}).get("series") for r in d["runs"].values()} - {None}
-        assert named <= set(stack.SERIES), (path, named)
-        for series, lines in (d.get("verdicts") or {}).items():
-            own = {n: r for n, r in d["runs"].items() if (r.get("series") or {}).get("series") == series}
-            assert stack.SERIES[series]["verdict"](own, d.get("logprobs_compare") or {}) == lines, path
+        assert named <= set(series.SERIES), (path, named)
+        for name, lines in (d.get("verdicts") or {}).items():
+            own = {n: r for n, r in d["runs"].items() if (r.get("series") or {}).get("series") == name}
+            assert series.SERIES[name]["verdict"](own, d.get("logprobs_compare") or {}) == lines, path
             seen += 1
     assert seen
 
 
 def tq_run(*, mtp: int = 3, disabled: bool = False, v2: bool = False, built: str | None = None,
            verify: int = 180, healthy: bool = True, lp: dict | None = None) -> dict:  # type: ignore[type-arg]
-    """A merged run of series tqspec (fields as stack.summarize writes them)."""
+    """A merged run of series tqspec (fields as collect.summarize writes them)."""
     return {"config": "overlay", "series": {"series": "tqspec"},
             "vllm_args": {"kv_cache_dtype": "turboquant_k8v4", "mtp": mtp,
                           "spec_method": "qwen3_next_mtp" if mtp else None},
@@ -171,7 +167,7 @@ def shifted_lp(later: float, top1_at: int | None = None) -> dict:  # type: ignor
 
 def verdict_of(runs: dict) -> list[str]:  # type: ignore[type-arg]
     ref = runs["tq-nomtp"]["logprobs"]["lp"]
-    return stack.tqspec_verdict(runs, {f"{x} vs tq-nomtp (lp)": sm.compare_logprobs(runs[x]["logprobs"]["lp"], ref)
+    return verdicts.tqspec_verdict(runs, {f"{x} vs tq-nomtp (lp)": sm.compare_logprobs(runs[x]["logprobs"]["lp"], ref)
                                        for x in runs if x != "tq-nomtp" and runs[x]["logprobs"]})
 
 
@@ -197,40 +193,40 @@ def test_tqspec_verdict_states_what_the_runs_show() -> None:
     assert "tq-mtp-on (on): NOT A TEST: no verify batch went to the overlay's kernel during its logprobs" in lines
     assert "tq-mtp-on-v2 (on V2): NOT A TEST: its workers built the V1 model runner, V2 asked for" in lines
     assert not any("README" in ln for ln in lines)
-    assert stack.tqspec_verdict({"tq-nomtp": {**runs["tq-nomtp"], "series": {}}}, {}) == []
+    assert verdicts.tqspec_verdict({"tq-nomtp": {**runs["tq-nomtp"], "series": {}}}, {}) == []
     partial = verdict_of({"tq-nomtp": runs["tq-nomtp"], "tq-mtp-on": runs["tq-mtp-on"]})  # no run with the patch off
-    alone = stack.tqspec_verdict({"tq-mtp-on": tq_run(lp=shifted_lp(0.0))}, {})  # a release run of only some labels
+    alone = verdicts.tqspec_verdict({"tq-mtp-on": tq_run(lp=shifted_lp(0.0))}, {})  # a release run of only some labels
     assert alone[-1].startswith("conclusion (V1): not tested by this run: its labels have no TurboQuant run without MTP")
     assert partial[-1].startswith("conclusion (V1): none yet (stock path: not run")
 
 
 def test_every_series_parses_and_second_boots_leave_out_what_stopped_the_first() -> None:
-    for name, spec in stack.SERIES.items():
-        for label, boot, phases in stack.series_items(spec):
+    for name, spec in series.SERIES.items():
+        for label, boot, phases in schedule.series_items(spec):
             b = parse(["boot", label, *shlex.split(spec["boot"]), *shlex.split(boot)])
-            assert b.max_capture == 128 and set(phases) <= set(stack.PHASES), (name, label)
-            stack.server_env(b.config, b.overlay_env, b.env, None, "/r")
+            assert b.max_capture == 128 and set(phases) <= set(schedule.PHASES), (name, label)
+            server.server_env(b.config, b.overlay_env, b.env, None, "/r")
         for step in ("steps", "logprobs", "stress", "memory"):
             if step in spec:
                 parse([step, "x", *shlex.split(spec[step])])
     args = ["--config", "overlay", "--max-capture", "128"]
     headroom = "HeadroomError: vllm-overlay memory-headroom: the measuring forward of 8192 tokens failed"
-    assert stack.boot_fallback(args, headroom, stack.SERIES["memory"]["fallbacks"]) == (
+    assert schedule.boot_fallback(args, headroom, series.SERIES["memory"]["fallbacks"]) == (
         [*args, "--overlay-env", "VLLM_OVERLAY_MEMORY_HEADROOM=0"], "with memory-headroom")
-    assert stack.boot_fallback(args, "OutOfMemoryError", stack.SERIES["memory"]["fallbacks"]) is None
-    assert stack.boot_fallback(args, "OutOfMemoryError") == (["--config", "overlay"], "with --max-capture")
+    assert schedule.boot_fallback(args, "OutOfMemoryError", series.SERIES["memory"]["fallbacks"]) is None
+    assert schedule.boot_fallback(args, "OutOfMemoryError") == (["--config", "overlay"], "with --max-capture")
 
 
 def test_server_env_is_the_configuration_and_the_callers_other_variables(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     monkeypatch.setenv("VLLM_OVERLAY_STRICT", "1")
     monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER", raising=False)
-    env = stack.server_env("forced-guard", "VLLM_OVERLAY_MEMORY_HEADROOM=1", "X_Y=a", "1", "/r")
+    env = server.server_env("forced-guard", "VLLM_OVERLAY_MEMORY_HEADROOM=1", "X_Y=a", "1", "/r")
     assert (env["VLLM_USE_V2_MODEL_RUNNER"], env["X_Y"], env["VLLM_OVERLAY_TEST_BUFFER_ROWS"]) == ("1", "a", "4096")
     assert "VLLM_OVERLAY_STRICT" not in env and env["CUDA_VISIBLE_DEVICES"] == "1"
     assert env["VLLM_USE_FLASHINFER_SAMPLER"] == "0"  # no flashinfer where the server imports from
     with pytest.raises(SystemExit, match=r"--env item 'VLLM_OVERLAY_STRICT=1'"):
-        stack.server_env("overlay", None, "VLLM_OVERLAY_STRICT=1", None, "/r")
+        server.server_env("overlay", None, "VLLM_OVERLAY_STRICT=1", None, "/r")
 
 
 def test_steps_keep_measured_points_and_stop_at_their_budget(state, monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -239,49 +235,50 @@ def test_steps_keep_measured_points_and_stop_at_their_budget(state, monkeypatch)
     monkeypatch.setenv("STACK_COMPACT", "1")
     served("x", os.getpid(), vllm_args={"mnbt": 8192, "max_model_len": 70000, "mtp": 3})
     (state / "state" / "x" / "serve.log").write_text("INFO GPU KV cache size: 100,000 tokens\n")
-    monkeypatch.setattr(stack, "spec_counters", lambda port: {})
+    monkeypatch.setattr(measure, "spec_counters", lambda port: {})
+    monkeypatch.setattr(collect, "spec_counters", lambda port: {})  # the summary reads them too
     asked = []
 
     def fake_round(port, model, prompts, max_tokens):  # type: ignore[no-untyped-def]
         asked.append(max_tokens)
         return synthetic_round(len(prompts), 2, 0.2, 0.01, 3 if len(asked) == 2 else max_tokens)
 
-    monkeypatch.setattr(stack, "run_round", fake_round)
+    monkeypatch.setattr(measure, "run_round", fake_round)
     argv = ["steps", "x", "--streams", "2", "--contexts", "100,60000", "--tokens", "8", "--reps", "2"]
-    assert stack.main(argv) == 0
+    assert cli.main(argv) == 0
     res = json.load(open(state / "state" / "x" / "steps.json"))
     pt = res["points"]["2x100"]
     assert pt["complete"] and len(pt["reps"]) == 3 and pt["step_ms"]["median"] == pytest.approx(10.0)
     assert "exceed the KV cache (100000 tokens)" in res["skipped"]["2x60000"] and len(res["warmups"]) == 1
     assert json.load(open(state / "out" / "x.json"))["summary"]["steps"]["points"]["2x100"]["complete"]
     asked.clear()
-    assert stack.main([*argv[:5], "100,200", *argv[6:], "--budget-s", "0"]) == 3 and asked == []
+    assert cli.main([*argv[:5], "100,200", *argv[6:], "--budget-s", "0"]) == 3 and asked == []
 
 
 def test_series_resumes_where_it_stopped(state, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
     """tq-mtp-on runs logprobs, then a stress (240 s + 90 s): a run whose deadline leaves no room for the
     stress says NOT DONE after the logprobs; the same command then runs the stress and stops the server."""
-    server = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    proc = subprocess.Popen(["sleep", "600"], start_new_session=True)
     calls: list[list[str]] = []
 
     def fake_dispatch(argv: list[str]) -> int:
         calls.append(argv)
         if argv[0] == "stop":
-            server.kill()
-            server.wait()
+            proc.kill()
+            proc.wait()
         return 0
 
-    monkeypatch.setattr(stack, "dispatch", fake_dispatch)
+    monkeypatch.setattr(schedule, "dispatch", fake_dispatch)
     try:
-        served("tq-mtp-on", server.pid, series={"series": "tqspec"})
-        assert stack.main(["series", "tqspec", "--labels", "tq-mtp-on", "--deadline", "100"]) == 10
+        served("tq-mtp-on", proc.pid, series={"series": "tqspec"})
+        assert cli.main(["series", "tqspec", "--labels", "tq-mtp-on", "--deadline", "100"]) == 10
         assert [c[0] for c in calls] == ["logprobs"] and "NOT DONE" in capsys.readouterr().out
-        assert stack.main(["series", "tqspec", "--labels", "tq-mtp-on"]) == 0
+        assert cli.main(["series", "tqspec", "--labels", "tq-mtp-on"]) == 0
         assert [c[0] for c in calls] == ["logprobs", "stress", "stop"]
-        assert stack.load_state("tq-mtp-on")["series"]["done"] and "all done" in capsys.readouterr().out
+        assert server.load_state("tq-mtp-on")["series"]["done"] and "all done" in capsys.readouterr().out
     finally:
-        if server.poll() is None:
-            server.kill()
+        if proc.poll() is None:
+            proc.kill()
 
 
 def test_servers_side_by_side_start_after_the_first_sized_its_kv_cache(state, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
@@ -298,15 +295,15 @@ def test_servers_side_by_side_start_after_the_first_sized_its_kv_cache(state, mo
             if argv[1] == "tq-mtp-on":
                 def later() -> None:
                     time.sleep(1.5)
-                    with open(os.path.join(stack.sdir("tq-mtp-on"), "serve.log"), "a") as f:
+                    with open(os.path.join(server.sdir("tq-mtp-on"), "serve.log"), "a") as f:
                         f.write("INFO GPU KV cache size: 6,749,145 tokens\n")
                     sized["tq-mtp-on"] = time.time()
                 threading.Thread(target=later).start()
         return 0
 
-    monkeypatch.setattr(stack, "dispatch", fake_dispatch)
+    monkeypatch.setattr(schedule, "dispatch", fake_dispatch)
     try:
-        assert stack.main(["series", "tqspec", "--labels", "tq-mtp-on,tq-nomtp,tq-mtp-off", "--gpus", "0,0,0",
+        assert cli.main(["series", "tqspec", "--labels", "tq-mtp-on,tq-nomtp,tq-mtp-off", "--gpus", "0,0,0",
                            "--fixed-kv", "123", "--fixed-kv-mem", "0.05", "--stagger", "0.5", "--no-logprobs"]) == 0
     finally:
         for s in servers:
@@ -336,11 +333,11 @@ def test_speed_steps_run_alone_on_their_gpu(state, monkeypatch) -> None:  # type
             spans[(argv[1], argv[0])] = (t0, time.time())
         return 0
 
-    monkeypatch.setattr(stack, "dispatch", fake_dispatch)
-    monkeypatch.setattr(stack, "QUIET", stack.GpuQuiet())
-    monkeypatch.setattr(stack, "SERIES_WARMUP_S", 0)
+    monkeypatch.setattr(schedule, "dispatch", fake_dispatch)
+    monkeypatch.setattr(schedule, "QUIET", windows.GpuQuiet())
+    monkeypatch.setattr(schedule, "SERIES_WARMUP_S", 0)
     try:
-        assert stack.main(["series", "release", "--labels", "tq-mtp-on,bf16-overlay", "--gpus", "0,0",
+        assert cli.main(["series", "release", "--labels", "tq-mtp-on,bf16-overlay", "--gpus", "0,0",
                            "--stagger", "0", "--stress", "--duration 1", "--deadline", "300"]) == 0
     finally:
         for s in servers:
@@ -353,18 +350,18 @@ def test_speed_steps_run_alone_on_their_gpu(state, monkeypatch) -> None:  # type
 
 
 def test_series_stops_when_a_worker_built_another_runner(state, capsys) -> None:  # type: ignore[no-untyped-def]
-    server = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    proc = subprocess.Popen(["sleep", "600"], start_new_session=True)
     report = {"pid": 5, "tp_rank": 0, "runner": {"kind": "V1", "class": "GPUModelRunner"}}
     try:
-        served("v2-overlay", server.pid)
+        served("v2-overlay", proc.pid)
         (state / "state" / "v2-overlay" / "reports" / "overlay-5.json").write_text(json.dumps(report))
-        assert stack.main(["series", "v2-bf16", "--labels", "v2-overlay,v2-stock", "--deadline", "60"]) == 2
+        assert cli.main(["series", "v2-bf16", "--labels", "v2-overlay,v2-stock", "--deadline", "60"]) == 2
         text = capsys.readouterr().out
         assert "v2-overlay: FAILED: its workers built the V1 model runner, V2 expected" in text
-        assert "v2-stock: not started" in text and server.wait(timeout=30) is not None  # `stop` ended it
+        assert "v2-stock: not started" in text and proc.wait(timeout=30) is not None  # `stop` ended it
     finally:
-        if server.poll() is None:
-            server.kill()
+        if proc.poll() is None:
+            proc.kill()
 
 
 def test_memory_table() -> None:
@@ -398,14 +395,14 @@ def test_memory_verdict_names_what_was_given_up_and_the_device_peak() -> None:
               "device_peak_mib": {"0": peak_mib}, "device_requested_mib": {"0": 139457}, "device_total_mib": {"0": 143771}}
         return {"healthy_after_s": 80.0, "runner_evidence": {"built": ["V2"]},
                 "memory": {"headroom": {"7": {"records": [{**rec, "dry_run": dry}]}}, "phases": {"burst": ph}}}
-    lines = stack.memory_verdict({"on": run(140424), "dry": run(142990, dry=True)}, {})
+    lines = verdicts.memory_verdict({"on": run(140424), "dry": run(142990, dry=True)}, {})
     assert lines[0] == ("on (V2, memory-headroom, KV tokens 4585908 -> 3580306 (1005602 given up, 3.886 GiB)): "
                         "burst 1024 ok / 0 failed, peak 5.193 GiB, within the reservation by 0.181")
     assert lines[1].startswith("dry (V2, dry run (vLLM's sizing), KV tokens 4585908 -> 3580306 (1005602 would be "
                                "given up, 3.886 GiB)): burst 1024 ok / 0 failed, peak 5.193 GiB, OVER the reservation by 3.919")
     assert lines[2] == ("device (GPU 0, every process on it): peak 142990 MiB of 143771 MiB, OVER the requested 139457 MiB "
                         "by 3533 MiB (during dry burst); each process's CUDA context lies outside every server's budget")
-    assert stack.device_peak_line({"on": {"memory": {"phases": {}}}}) is None
+    assert verdicts.device_peak_line({"on": {"memory": {"phases": {}}}}) is None
 
 
 def test_memory_series_side_by_side_profiles_alone(state, monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -415,10 +412,10 @@ def test_memory_series_side_by_side_profiles_alone(state, monkeypatch) -> None: 
     tq16k-headroom's compiled graphs) side by side, fixed KV cache, one prompt each, stopped before the
     first window opens."""
     servers, boots, sized, spans, mem_argv, warm_argv, prompts = {}, {}, {}, [], {}, {}, []
-    monkeypatch.setattr(stack, "_complete", lambda port, ids, tokens, model: prompts.append((port, len(ids))))
+    monkeypatch.setattr(schedule, "_complete", lambda port, ids, tokens, model: prompts.append((port, len(ids))))
 
     def kv_sized(label: str) -> None:
-        with open(os.path.join(stack.sdir(label), "serve.log"), "a") as f:
+        with open(os.path.join(server.sdir(label), "serve.log"), "a") as f:
             f.write("INFO GPU KV cache size: 9 tokens\n")
         sized[label] = time.time()
 
@@ -439,11 +436,11 @@ def test_memory_series_side_by_side_profiles_alone(state, monkeypatch) -> None: 
             spans.append((t0, time.time()))
         return 0
 
-    monkeypatch.setattr(stack, "dispatch", fake_dispatch)
-    monkeypatch.setattr(stack, "WINDOWS", stack.GpuWindows())
+    monkeypatch.setattr(schedule, "dispatch", fake_dispatch)
+    monkeypatch.setattr(schedule, "WINDOWS", windows.GpuWindows())
     labels = "tq16k-headroom,bf16-8k-headroom,tq16k-vllm"
     try:
-        assert stack.main(["series", "memory", "--labels", labels, "--gpus", "0,0", "--stagger", "0"]) == 0
+        assert cli.main(["series", "memory", "--labels", labels, "--gpus", "0,0", "--stagger", "0"]) == 0
     finally:
         for s in servers.values():
             s.kill()
@@ -452,7 +449,7 @@ def test_memory_series_side_by_side_profiles_alone(state, monkeypatch) -> None: 
     assert {m for _, m in real.values()} == {0.485} and len(spans) == 6 + 2
     assert sorted(warm_argv) == ["warm-bf16-8k-headroom", "warm-tq16k-headroom"]
     assert {(w.kv_bytes, w.mem, w.port) for w in warm_argv.values()} == {
-        (stack.WARM_KV_BYTES, stack.WARM_MEM, 8011 + 100), (stack.WARM_KV_BYTES, stack.WARM_MEM, 8012 + 100)}
+        (schedule.WARM_KV_BYTES, schedule.WARM_MEM, 8011 + 100), (schedule.WARM_KV_BYTES, schedule.WARM_MEM, 8012 + 100)}
     assert prompts == [(1, 2032), (1, 2032)]  # mnbt 2048 when the state names none, less 16
     first = min(t for t, _ in real.values())
     assert max(boots[w][0] for w in warm_argv) < first and sorted(spans)[1][1] <= first  # the warm stops first
@@ -463,12 +460,12 @@ def test_memory_series_side_by_side_profiles_alone(state, monkeypatch) -> None: 
 
 
 def test_warm_plan_takes_one_label_a_group_when_two_groups_need_it(state) -> None:  # type: ignore[no-untyped-def]
-    spec = stack.SERIES["memory"]
-    assert stack.warm_plan(spec, ["tq16k-headroom", "tq16k-vllm"]) == []  # one group: its window compiles
-    assert stack.warm_plan(spec, ["tq16k-vllm", "bf16-8k-vllm", "tq16k-headroom"]) == ["tq16k-headroom", "bf16-8k-vllm"]
+    spec = series.SERIES["memory"]
+    assert schedule.warm_plan(spec, ["tq16k-headroom", "tq16k-vllm"]) == []  # one group: its window compiles
+    assert schedule.warm_plan(spec, ["tq16k-vllm", "bf16-8k-vllm", "tq16k-headroom"]) == ["tq16k-headroom", "bf16-8k-vllm"]
     served("bf16-8k-vllm", os.getpid())  # a resumed series: that group has booted already
-    assert stack.warm_plan(spec, ["tq16k-vllm", "bf16-8k-vllm", "tq16k-mtp-v1"]) == ["tq16k-vllm", "tq16k-mtp-v1"]
-    assert stack.warm_plan(spec, ["tq16k-vllm", "bf16-8k-vllm"]) == []
+    assert schedule.warm_plan(spec, ["tq16k-vllm", "bf16-8k-vllm", "tq16k-mtp-v1"]) == ["tq16k-vllm", "tq16k-mtp-v1"]
+    assert schedule.warm_plan(spec, ["tq16k-vllm", "bf16-8k-vllm"]) == []
 
 
 def test_pair_alternates_the_servers_and_takes_the_ratio_pair_by_pair(state, monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -476,10 +473,7 @@ def test_pair_alternates_the_servers_and_takes_the_ratio_pair_by_pair(state, mon
     getting slower): the rounds go A B, B A, A B, ..., each pair with the same prompts, the ratio of a pair is
     B's factor over A's whatever the drift, a round that measured nothing is made up, and a point that does
     not fit a server's KV cache is skipped with the reason."""
-    sys.path.insert(0, BENCH)
-    import pair  # noqa: E402
-
-    sys.path.remove(BENCH)
+    from bench import pair
     args = {"mnbt": 8192, "max_model_len": 70000}
     served("stock", os.getpid(), port=11, vllm_args=args)
     served("overlay", os.getpid(), port=12, vllm_args=args)
@@ -493,7 +487,7 @@ def test_pair_alternates_the_servers_and_takes_the_ratio_pair_by_pair(state, mon
         drift = 1 + 0.05 * len(calls)
         return synthetic_round(len(prompts), 1, 0.05, 0.002 * drift * (1.25 if port == 12 else 1.0), max_tokens)
 
-    monkeypatch.setattr(stack, "run_round", fake_round)
+    monkeypatch.setattr(measure, "run_round", fake_round)
     out = state / "pair.json"
     argv = ["stock", "overlay", "--streams", "1,2", "--contexts", "100,60000", "--tokens", "8", "--reps", "4",
             "--out", str(out)]
@@ -519,21 +513,21 @@ def test_pair_alternates_the_servers_and_takes_the_ratio_pair_by_pair(state, mon
 
 def test_a_compact_bundle_keeps_the_logs_start_and_end() -> None:
     raw = b"".join(b"line %05d\n" % i for i in range(1000))  # 11 bytes a line
-    assert stack.log_excerpt(raw, 20_000, 20_000) == raw.decode()
-    text = stack.log_excerpt(raw, 100, 60)
+    assert server.log_excerpt(raw, 20_000, 20_000) == raw.decode()
+    text = server.log_excerpt(raw, 100, 60)
     assert text.startswith("line 00000\n") and text.endswith("line 00999\n")
     lines = text.splitlines()
     assert lines[8] == "line 00008" and lines[9] == f"[... {len(raw) - 99 - 55} bytes of this log left out of the bundle ...]"
     assert lines[10] == "line 00995" and len(lines) == 15  # whole lines on both sides of the cut
-    assert stack.log_excerpt(raw, 0, 22).splitlines()[1:] == ["line 00998", "line 00999"]
+    assert server.log_excerpt(raw, 0, 22).splitlines()[1:] == ["line 00998", "line 00999"]
 
 
 def test_compile_source_reads_vllms_compile_lines() -> None:
     cold = "INFO [backends.py] Compiling a graph for compile range (1, 8192) takes 40.1 s\n"
     warm = "INFO [backends.py] Directly load the compiled graph(s) for compile range (1, 8192) from the cache\n"
-    assert stack.compile_source(warm * 2) == "loaded from the cache"
-    assert stack.compile_source(cold + warm) == "compiled (1 graph(s) compiled, 1 loaded from the cache)"
-    assert stack.compile_source("INFO Starting vLLM server\n") == "no compile line"
+    assert schedule.compile_source(warm * 2) == "loaded from the cache"
+    assert schedule.compile_source(cold + warm) == "compiled (1 graph(s) compiled, 1 loaded from the cache)"
+    assert schedule.compile_source("INFO Starting vLLM server\n") == "no compile line"
     aot = ("INFO [decorators.py:326] [backbone] Directly load AOT compilation from path "
            "/root/.cache/vllm/torch_compile_cache/torch_aot_compile/b40e/rank_0_0/model\n")  # vLLM 0.33.0
-    assert stack.compile_source(aot) == "loaded from the cache"
+    assert schedule.compile_source(aot) == "loaded from the cache"

@@ -18,11 +18,8 @@ def test_benchmarks_page_is_generated_from_the_results() -> None:
 
 
 def _make_table():  # type: ignore[no-untyped-def]
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    try:
-        import make_table
-    finally:
-        sys.path.pop(0)
+    from bench import make_table  # the project root is on the tests' path (pyproject.toml)
+
     return make_table
 
 

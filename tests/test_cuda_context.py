@@ -7,11 +7,9 @@ import os
 import subprocess
 import sys
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
-sys.path.insert(0, BENCH)
-import cuda_context  # noqa: E402
+from bench import cuda_context  # the project root is on the tests' path (pyproject.toml)
 
-sys.path.remove(BENCH)
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
 
 
 def test_parse_apps_keeps_pid_and_mib_rows() -> None:

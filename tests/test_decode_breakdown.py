@@ -8,11 +8,9 @@ import json, os, subprocess, sys  # noqa: E401
 
 import pytest
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
-sys.path.insert(0, BENCH)
-import decode_breakdown as db  # noqa: E402
+from bench import decode_breakdown as db  # the project root is on the tests' path (pyproject.toml)
 
-sys.path.remove(BENCH)
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
 X = {"ph": "X"}
 
 

@@ -16,9 +16,8 @@ import pytest
 from vllm_overlay import core, levels, versions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-import evidence  # noqa: E402 - bench/evidence.py
-import levels as levels_script  # noqa: E402 - bench/levels.py
+from bench import evidence  # noqa: E402 - the project root is on the tests' path (pyproject.toml)
+from bench import levels as levels_script  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "bench", "results")
 SPECS = {s.id: s for s in core.specs()}

@@ -55,11 +55,7 @@ def test_a_phase_names_each_process_peak_on_the_device() -> None:
     """The device sampler's per-process figures (nvidia-smi --query-compute-apps, stood in here: the CPU
     build has no nvidia-smi) give each worker its highest in the phase, and the phase line says it beside
     the allocator's reserved peak; a worker without them keeps the line it had."""
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    try:
-        import memory_serve
-    finally:
-        sys.path.remove(os.path.join(ROOT, "bench"))
+    from bench import memory_serve  # the project root is on the tests' path (pyproject.toml)
 
     s = memory_serve.DeviceSampler.__new__(memory_serve.DeviceSampler)
     s.apps = [(10.0, memory_serve.parse_apps("3921, 30112\n4000, 512\n[N/A], [N/A]\n")),

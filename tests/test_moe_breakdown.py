@@ -4,13 +4,7 @@ and the loud result when a trace holds no kernels."""
 
 from __future__ import annotations
 
-import os
-import sys
-
-BENCH = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
-if BENCH not in sys.path:
-    sys.path.append(BENCH)
-import moe_breakdown_h200 as mb  # noqa: E402 - stdlib only at import time
+from bench import moe_breakdown_h200 as mb  # stdlib only at import time; the project root is on the tests' path
 
 
 def test_families() -> None:

@@ -1,9 +1,9 @@
 """The engine configuration each boot of a bench/stack.py series would build on the H200, checked on
 a CPU machine against a staged vLLM: the `vllm serve` arguments stack.py gives the label
-(stack.serve_args; --gpu-memory-utilization at stack's default, not the series' share of its
+(bench/stack/server.py's serve_args; --gpu-memory-utilization at stack's default, not the series' share of its
 "mem_total", which sizes nothing the config builds), parsed by that vLLM's own `vllm serve` parser
 (vllm.entrypoints.cli.serve's), in the label's server environment
-(stack.server_env: its configuration's overlay settings and its --env variables, such as
+(server.py's server_env: its configuration's overlay settings and its --env variables, such as
 VLLM_USE_V2_MODEL_RUNNER=1), then vLLM's engine config built from them after vLLM's plugins (the
 overlay) loaded, with the API server's usage context (its defaults: max_num_seqs 1024 on an H200),
 as in the API server. One process per label.
@@ -38,10 +38,9 @@ import traceback
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-BENCH = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
-sys.path.insert(0, BENCH)
-import stack  # noqa: E402 - bench/stack.py
+sys.path.insert(0, HERE)  # import_check
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # the project root: bench is a package
+from bench.stack import cli, schedule, series, server  # noqa: E402 - bench/stack/
 
 
 def child(model: str, args: list[str]) -> dict[str, Any]:
@@ -96,12 +95,12 @@ def child(model: str, args: list[str]) -> dict[str, Any]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--series", default="v2-bf16", choices=tuple(stack.SERIES))
+    ap.add_argument("--series", default="v2-bf16", choices=tuple(series.SERIES))
     ap.add_argument("--labels", default="", help="labels of the series (default: all)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
-    spec = stack.SERIES[a.series]
-    items = stack.series_items(spec)
+    spec = series.SERIES[a.series]
+    items = schedule.series_items(spec)
     if a.child:
         model, args = json.loads(a.child)
         try:
@@ -117,11 +116,11 @@ def main() -> int:
     for label, boot, _ in items:
         if label not in labels:
             continue
-        b = stack.build_parser().parse_args(["boot", label, *shlex.split(spec["boot"]), *shlex.split(boot)])
-        model = stack.model_folder(b.model, b.mtp, b.spec_method)
-        args = stack.serve_args(b)
+        b = cli.build_parser().parse_args(["boot", label, *shlex.split(spec["boot"]), *shlex.split(boot)])
+        model = server.model_folder(b.model, b.mtp, b.spec_method)
+        args = server.serve_args(b)
         with tempfile.TemporaryDirectory() as reports:
-            env = stack.server_env(b.config, b.overlay_env, b.env, None, reports)
+            env = server.server_env(b.config, b.overlay_env, b.env, None, reports)
             p = subprocess.run([sys.executable, os.path.abspath(__file__), "--series", a.series,
                                 "--child", json.dumps([model, args])], env=env, capture_output=True, text=True,
                                timeout=600)

@@ -96,6 +96,29 @@ def test_collector_reads_only_this_servers_reports(tmp_path) -> None:  # type: i
     assert later.band(1024, 2048) == 10 and later.sizes_since(s) == {2048: 7}
 
 
+def test_band_edges_come_from_the_workers_reports_not_this_process_s_environment(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The profile cap and the token budgets a setting requested are bucket edges as the workers
+    recorded them (engine_config.profile_run_cap, budgets): the API server's own environment, here
+    set to other values, is never read for them."""
+    budgets = [{"purpose": "gdn_output", "value": 3000, "requested": 1800, "raised": True, "floor": 3000,
+                "source": "floor: the model runner's max_num_tokens",
+                "requested_source": "env VLLM_OVERLAY_PREALLOC_TOKEN_BUDGET"},
+               {"purpose": "other", "value": 3000, "requested": 3000, "raised": False, "floor": 3000,
+                "source": "live scheduler_config.max_num_batched_tokens",
+                "requested_source": "live scheduler_config.max_num_batched_tokens"}]
+    rep = report(11, "srv-a", {5: 1}, budgets=budgets)
+    rep["engine_config"]["profile_run_cap"] = 1000
+    write(tmp_path, rep)
+    monkeypatch.setenv("VLLM_OVERLAY_PROFILE_RUN_CAP", "777")
+    monkeypatch.setenv("VLLM_OVERLAY_PREALLOC_TOKEN_BUDGET", "2345")
+    monkeypatch.setenv("VLLM_OVERLAY_GDN_MAX_BATCHED_TOKENS", "901")
+    edges = set(metrics_text.parse(exposition(tmp_path, "srv-a")).buckets)
+    # the workers' cap and requested budget, and the quarter edges of (1000, 3000] and (1800, 3000]
+    assert {1000, 1800, 1500, 2000, 2500, 2100, 2400, 2700} <= edges, sorted(edges)
+    assert not {777, 2345, 901} & edges, sorted(edges)
+    assert metrics.recorded_edges(rep) == {1000, 1800}
+
+
 def test_a_malformed_report_is_skipped_and_named_and_the_others_stay(tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
     write(tmp_path, report(11, "srv-a", {5: 1}, buffers="not a list"))
     write(tmp_path, report(12, "srv-a", {1500: 2}))

@@ -15,9 +15,9 @@ Series (all prefixed ``vllm_overlay_``):
 
 - ``forward_scheduled_tokens`` histogram: scheduled tokens per real model forward, summed over
   the server's engines, tensor-parallel rank 0 only (the other ranks run the same forwards).
-  Buckets: every power of two from 1 to 2**20, plus this server's own band edges
-  (max_num_batched_tokens and half of it, the profile cap, the explicit token budgets, the GDN
-  buffer rows, the inner quarter edges of each default band), so that the forwards in the stress
+  Buckets: every power of two from 1 to 2**20, plus this server's own band edges as its processes'
+  reports record them (max_num_batched_tokens and half of it, the profile cap, the token budgets a
+  setting requested, the GDN buffer rows, the inner quarter edges of each default band), so that the forwards in the stress
   harness's default band, and in each of its quarters, are an exact difference of two buckets. Exact per-size counts stay in the JSON reports: one series per
   size would be thousands of series.
 - ``forward_max_scheduled_tokens`` gauge: the largest real forward since the server started.
@@ -123,26 +123,40 @@ class ReportCache:
         self.skipped[path] = why
 
 
+def recorded_edges(rep: dict[str, Any]) -> set[int]:
+    """The token counts a process's report says its settings gave: the profile cap the worker ran
+    with (``engine_config.profile_run_cap``) and each budget requested by a setting (``budgets``:
+    ``requested`` where ``requested_source`` names the variable). Read from the report, never from
+    this process's environment: the API server's may differ from the workers'."""
+    out: set[int] = set()
+    cap = (rep.get("engine_config") or {}).get("profile_run_cap")
+    if isinstance(cap, int) and not isinstance(cap, bool) and cap > 0:
+        out.add(cap)
+    for b in rep.get("budgets") or []:
+        if not isinstance(b, dict) or not str(b.get("requested_source", "")).startswith(("env ", "alias ")):
+            continue
+        requested = b.get("requested")
+        if isinstance(requested, int) and not isinstance(requested, bool) and requested > 0:
+            out.add(requested)
+    return out
+
+
 def bucket_edges(reports: list[dict[str, Any]]) -> list[int]:
-    """Powers of two plus this server's own band edges (see the module docstring)."""
+    """Powers of two plus this server's own band edges (see the module docstring), all read from
+    the reports."""
     edges = set(POW2_EDGES)
     tops: set[int] = set()
+    lows: set[int] = set()
     for rep in reports:
         mnbt = (rep.get("engine_config") or {}).get("max_num_batched_tokens")
         if isinstance(mnbt, int) and mnbt > 0:
             edges.update((mnbt, mnbt // 2))
             tops.add(mnbt)
+            lows.add(mnbt // 2)
         edges.update(int(b["rows"]) for b in rep.get("buffers", []) if b.get("rows"))
-    lows = {t // 2 for t in tops}
-    for name in ("VLLM_OVERLAY_PROFILE_RUN_CAP", "VLLM_OVERLAY_PREALLOC_TOKEN_BUDGET",
-                 "VLLM_OVERLAY_GDN_MAX_BATCHED_TOKENS"):
-        try:
-            value = settings.value(name)
-        except Exception:  # noqa: BLE001 - a bad value stopped start-up already; not our job here
-            continue
-        if value:
-            edges.add(int(value))
-            lows.add(int(value))
+        recorded = recorded_edges(rep)
+        edges.update(recorded)
+        lows.update(recorded)
     # the quarter edges of the stress's default bands, (low, mnbt], so /metrics counts each quarter
     for top in tops:
         for low in lows:

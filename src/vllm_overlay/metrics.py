@@ -22,7 +22,9 @@ Series (all prefixed ``vllm_overlay_``):
   size would be thousands of series.
 - ``forward_max_scheduled_tokens`` gauge: the largest real forward since the server started.
 - ``guard_checks_total`` / ``guard_trips_total`` counters, per process (``role``, ``pid``).
-- ``gdn_buffer_rows`` / ``gdn_buffer_bytes`` gauges, per buffer and process.
+- ``gdn_buffer_rows`` / ``gdn_buffer_bytes`` gauges, per buffer and process: the families of patch
+  gdn-output-prealloc (``patches/_gdn_metrics.py``), like every patch's own, come from the patch's
+  hook ``metric_families(reports)`` (``PatchSpec.hooks``), called at each scrape.
 - ``patch_info`` (``patch``, ``status``, ``role``, ``pid``, ``waiting_for``): one series per patch and
   process; ``worker-only`` where a process that is no worker holds a patch armed for modules only
   workers import (``reports.shown_status``), ``waiting_for`` the modules an armed patch waits for.
@@ -40,6 +42,7 @@ readable both ways is counted once (``reports.dedupe``).
 
 from __future__ import annotations
 
+import importlib
 import os
 import threading
 import time
@@ -165,16 +168,6 @@ def bucket_edges(reports: list[dict[str, Any]]) -> list[int]:
     return sorted(e for e in edges if e > 0)
 
 
-def buffer_labels(buf: dict[str, Any]) -> list[str]:
-    """(engine, device, dtype, shape, source) of a GDN buffer's report entry. Its key is
-    (engine, device, dtype, heads, head_dim); the engine is the config id (``config-<hex>``)."""
-    key = [str(k) for k in (buf.get("key") or [])]
-    if len(key) == 4:  # reports written before the key named its engine
-        key = [str(buf.get("engine", "")), *key]
-    key = (key + ["", "", "", "", ""])[:5]
-    return [key[0], key[1], key[2], f"{key[3]}x{key[4]}", str(buf.get("source", ""))]
-
-
 def families(reports: list[dict[str, Any]], server: str | None,
              skipped: dict[str, str] | None = None,
              missing: list[dict[str, Any]] | None = None, left_out: int = 0) -> Iterator[Any]:
@@ -206,10 +199,6 @@ def families(reports: list[dict[str, Any]], server: str | None,
     trips = CounterMetricFamily(PREFIX + "guard_trips",
                                 "Capacity guard trips: a forward larger than the GDN buffer, refused.",
                                 labels=["role", "pid"])
-    rows = GaugeMetricFamily(PREFIX + "gdn_buffer_rows", "Token rows of a preallocated GDN output buffer.",
-                             labels=["role", "pid", "engine", "device", "dtype", "shape", "source"])
-    size = GaugeMetricFamily(PREFIX + "gdn_buffer_bytes", "Bytes of a preallocated GDN output buffer.",
-                             labels=["role", "pid", "engine", "device", "dtype", "shape", "source"])
     info = InfoMetricFamily(PREFIX + "patch", "One series per patch and process: its status there (worker-only: "
                             "armed in a process that is no worker, for modules only workers import; it acts in "
                             "the workers) and the modules an armed patch waits for.",
@@ -229,10 +218,6 @@ def families(reports: list[dict[str, Any]], server: str | None,
         counters = rep.get("counters") or {}
         checks.add_metric([role, pid], int(counters.get("guard_checks", 0)))
         trips.add_metric([role, pid], int(counters.get("guard_trips", 0)))
-        for b in rep.get("buffers", []):
-            labels = [role, pid, *buffer_labels(b)]
-            rows.add_metric(labels, int(b.get("rows", 0)))
-            size.add_metric(labels, int(b.get("bytes", 0)))
         for patch_id, rec in sorted((rep.get("patches") or {}).items()):
             info.add_metric([patch_id, shown_status(rep, rec), role, pid, waiting_for(rec)], {})
         for k, v in (rep.get("engine_config") or {}).items():
@@ -240,7 +225,8 @@ def families(reports: list[dict[str, Any]], server: str | None,
                 config[k] = str(v)
         if rep.get("vllm_version"):
             config.setdefault("vllm_version", str(rep["vllm_version"]))
-    yield from (checks, trips, rows, size, info, age)
+    yield from (checks, trips, info, age)
+    yield from patch_families(reports)
     cfg = InfoMetricFamily(PREFIX + "engine_config",
                            "The live engine limits the workers saw, and the server id.",
                            labels=["server_id"])
@@ -274,6 +260,35 @@ def families(reports: list[dict[str, Any]], server: str | None,
     shared.add_metric([], max(1, len(servers(reports))) if reports else 0)
     yield shared
     yield from write_families()
+
+
+def patch_families(reports: list[dict[str, Any]]) -> Iterator[Any]:
+    """The families each patch owns: every registry patch whose spec declares the hook
+    ``metric_families`` is called with the reports, whatever its status in this process (it acts in
+    the workers). A hook that fails is one WARNING per distinct error, naming the patch; the other
+    series stay."""
+    for mod in hook_modules():
+        try:
+            out = list(mod.metric_families(reports))
+        except Exception as exc:  # noqa: BLE001 - one patch's series never break the others
+            text = f"{mod.SPEC.id}: {type(exc).__name__}: {exc}"
+            if text not in _hook_warned:
+                _hook_warned.add(text)
+                LOG.warning("/metrics: the series of patch %s are left out: metric_families failed: %s: %s",
+                            mod.SPEC.id, type(exc).__name__, exc)
+            continue
+        yield from out
+
+
+_hook_warned: set[str] = set()
+
+
+def hook_modules() -> list[Any]:
+    """The registry's patch modules that declare the hook ``metric_families``, in apply order."""
+    from vllm_overlay.registry import PATCH_MODULES
+
+    mods = [importlib.import_module(name) for name in PATCH_MODULES]
+    return [m for m in mods if "metric_families" in m.SPEC.hooks]
 
 
 def write_families() -> Iterator[Any]:

@@ -31,7 +31,7 @@ from typing import Any
 
 from vllm_overlay import budget, settings
 from vllm_overlay.errors import CapacityError
-from vllm_overlay.patches import _runner
+from vllm_overlay.patches import _gdn_metrics, _runner
 from vllm_overlay.patches._runner import (
     RUNNER_CLASS,
     RUNNER_MODULES,
@@ -150,7 +150,7 @@ REWRITES = tuple(dataclasses.replace(rw, gone=GONE) for rw in REWRITES)
 
 SPEC = PatchSpec(
     id="gdn-output-prealloc",
-    hooks=("on_revert",),
+    hooks=("on_revert", "metric_families"),
     title="GDN output buffer sized by the token-budget resolver, guarded outside compiled code",
     why=__doc__.split("\n\n")[1] + " " + __doc__.split("\n\n")[2],
     upstream="https://github.com/vllm-project/vllm/pull/28182 (why the buffer must be zeroed)",
@@ -512,3 +512,8 @@ def on_revert() -> None:
             fin.detach()
         _engines.clear()
         _unreadable_logged.clear()
+
+
+def metric_families(reports: list[dict[str, Any]]) -> Any:
+    """This patch's series on /metrics (the buffers each process reported): ``_gdn_metrics.py``."""
+    return _gdn_metrics.families(reports)

@@ -29,7 +29,7 @@ import threading
 import weakref
 from typing import Any
 
-from vllm_overlay import budget, settings
+from vllm_overlay import budget, report, settings
 from vllm_overlay.errors import CapacityError
 from vllm_overlay.patches import _gdn_metrics, _runner
 from vllm_overlay.patches._runner import (
@@ -264,8 +264,8 @@ def _renew_after_fork() -> None:
     global _lock, _sizes
     _lock = threading.Lock()
     _sizes = {k: {**v, "inherited_from": STATE.forked_from} for k, v in _sizes.items()}
-    with STATE.lock:
-        STATE.buffers.extend(_sizes.values())
+    for info in _sizes.values():
+        report.add_buffer(info)
 
 
 os.register_at_fork(after_in_child=_renew_after_fork)
@@ -321,9 +321,7 @@ def _freed(key: Key) -> None:
             del _pool[key]
         info = _sizes.pop(key, None)
     if info is not None:
-        with STATE.lock:
-            info["freed"] = True
-            STATE.dirty = True
+        report.buffer_note(info, freed=True)
         LOG.info("GDN output buffer %s freed (its engine's layers were released)", list(key))
 
 
@@ -357,13 +355,10 @@ def _attach(layer: Any) -> None:
             info = {"key": list(key), "engine": engine, "rows": rows, "source": source,
                     "dtype_source": dtype_source, "bytes": buf.numel() * buf.element_size(), "layers": 0}
             _sizes[key] = info
-            with STATE.lock:
-                STATE.buffers.append(info)
+            report.add_buffer(info)
             LOG.info("GDN output buffer %s: %d rows (%s), %.1f MiB shared by every GDN layer of this engine",
                      list(key), rows, source, info["bytes"] / 2**20)
-        with STATE.lock:
-            _sizes[key]["layers"] += 1
-            STATE.dirty = True
+        report.buffer_note(_sizes[key], layers=_sizes[key]["layers"] + 1)  # under _lock: no lost count
         _layers.append(weakref.ref(layer))
     object.__setattr__(layer, ATTR, buf)
 

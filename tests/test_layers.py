@@ -108,6 +108,51 @@ def test_no_patch_imports_core() -> None:
     assert not bad, "; ".join(bad)
 
 
+MUTATORS = ("append", "extend", "update", "setdefault", "pop", "clear", "insert", "remove")
+
+
+def state_writes(path: str) -> list[tuple[int, str]]:
+    """(line, what) for every write of a field of report.STATE the file makes: an assignment to
+    ``STATE.x`` or into it (``STATE.x[k] = v``, ``STATE.x += 1``), or a mutating call on it
+    (``STATE.x.append(...)``). STATE's own methods (``STATE.count(...)``) are not writes."""
+    def field(node: ast.AST) -> str | None:  # the STATE field an expression reaches into
+        while isinstance(node, (ast.Subscript, ast.Attribute)):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "STATE":
+                return node.attr
+            node = node.value
+        return None
+
+    out: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+        targets = (node.targets if isinstance(node, ast.Assign)
+                   else [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+        out += [(node.lineno, f"assigns STATE.{name}") for t in targets if (name := field(t))]
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS
+                and (name := field(node.func.value))):
+            out.append((node.lineno, f"STATE.{name}.{node.func.attr}(...)"))
+    return sorted(out)
+
+
+def test_patches_write_the_report_only_through_its_helpers() -> None:
+    """A patch changes its entry and the process's fields of the report through report.py's helpers
+    (patch_note, patch_put, add_buffer, set_engine_config, ...) and STATE's methods, never by writing a
+    field of STATE itself: the report's JSON is built in one place."""
+    patches = os.path.join(PKG, "patches")
+    bad = [f"{os.path.relpath(path, SRC)}:{line} {what}" for path in runtime_files()
+           if path.startswith(patches + os.sep) for line, what in state_writes(path)]
+    assert not bad, "; ".join(bad)
+
+
+def test_the_state_check_sees_each_kind_of_write(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "m.py"
+    path.write_text("def f():\n    STATE.runner = {}\n    STATE.engine_config['a'] = 1\n    STATE.dirty |= True\n"
+                    "    with STATE.lock:\n        STATE.buffers.append(1)\n    STATE.patches['x'].update(a=1)\n"
+                    "    STATE.count('guard_checks')\n    x = STATE.buffers\n")
+    assert state_writes(str(path)) == [(2, "assigns STATE.runner"), (3, "assigns STATE.engine_config"),
+                                       (4, "assigns STATE.dirty"), (6, "STATE.buffers.append(...)"),
+                                       (7, "STATE.patches.update(...)")]
+
+
 def test_the_static_check_sees_imports_inside_functions(tmp_path) -> None:  # type: ignore[no-untyped-def]
     path = tmp_path / "m.py"
     path.write_text("def f():\n    from vllm_overlay.tools import output\n    import rich.table\n")

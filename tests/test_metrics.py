@@ -96,6 +96,52 @@ def test_collector_reads_only_this_servers_reports(tmp_path) -> None:  # type: i
     assert later.band(1024, 2048) == 10 and later.sizes_since(s) == {2048: 7}
 
 
+def test_band_edges_come_from_the_workers_reports_not_this_process_s_environment(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The profile cap and the token budgets a setting requested are bucket edges as the workers
+    recorded them (engine_config.profile_run_cap, budgets): the API server's own environment, here
+    set to other values, is never read for them."""
+    budgets = [{"purpose": "gdn_output", "value": 3000, "requested": 1800, "raised": True, "floor": 3000,
+                "source": "floor: the model runner's max_num_tokens",
+                "requested_source": "env VLLM_OVERLAY_PREALLOC_TOKEN_BUDGET"},
+               {"purpose": "other", "value": 3000, "requested": 3000, "raised": False, "floor": 3000,
+                "source": "live scheduler_config.max_num_batched_tokens",
+                "requested_source": "live scheduler_config.max_num_batched_tokens"}]
+    rep = report(11, "srv-a", {5: 1}, budgets=budgets)
+    rep["engine_config"]["profile_run_cap"] = 1000
+    write(tmp_path, rep)
+    monkeypatch.setenv("VLLM_OVERLAY_PROFILE_RUN_CAP", "777")
+    monkeypatch.setenv("VLLM_OVERLAY_PREALLOC_TOKEN_BUDGET", "2345")
+    monkeypatch.setenv("VLLM_OVERLAY_GDN_MAX_BATCHED_TOKENS", "901")
+    edges = set(metrics_text.parse(exposition(tmp_path, "srv-a")).buckets)
+    # the workers' cap and requested budget, and the quarter edges of (1000, 3000] and (1800, 3000]
+    assert {1000, 1800, 1500, 2000, 2500, 2100, 2400, 2700} <= edges, sorted(edges)
+    assert not {777, 2345, 901} & edges, sorted(edges)
+    assert metrics.recorded_edges(rep) == {1000, 1800}
+
+
+def test_each_patch_s_own_families_come_from_its_hook(tmp_path, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    """The GDN buffer series are gdn-output-prealloc's, built by the hook its spec declares
+    (metric_families); a hook that fails leaves out its patch's series alone, with one WARNING naming
+    the patch for that error however often /metrics is scraped."""
+    from vllm_overlay.patches import _gdn_metrics, gdn_output_prealloc
+
+    assert [m.SPEC.id for m in metrics.hook_modules()] == ["gdn-output-prealloc"]
+    rep = report(11, "srv-a", {5: 1})
+    assert [f.name for f in gdn_output_prealloc.metric_families([rep])] == [
+        "vllm_overlay_gdn_buffer_rows", "vllm_overlay_gdn_buffer_bytes"]
+    write(tmp_path, rep)
+
+    def broken(reports):  # type: ignore[no-untyped-def]
+        raise KeyError("rows")
+
+    monkeypatch.setattr(_gdn_metrics, "families", broken)
+    texts = [exposition(tmp_path, "srv-a") for _ in range(2)]
+    assert all("vllm_overlay_gdn_buffer" not in t and "vllm_overlay_patch_info{" in t for t in texts)
+    warned = [r.getMessage() for r in caplog.records if "metric_families failed" in r.getMessage()]
+    assert warned == ["/metrics: the series of patch gdn-output-prealloc are left out: metric_families "
+                      "failed: KeyError: 'rows'"], warned
+
+
 def test_a_malformed_report_is_skipped_and_named_and_the_others_stay(tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
     write(tmp_path, report(11, "srv-a", {5: 1}, buffers="not a list"))
     write(tmp_path, report(12, "srv-a", {1500: 2}))
@@ -285,7 +331,7 @@ def test_metrics_match_the_reports_in_both_directions(served) -> None:  # type: 
     # every vllm_overlay_ series' labels read back against the reports of this server
     from prometheus_client.parser import text_string_to_metric_families
 
-    from vllm_overlay.metrics import buffer_labels
+    from vllm_overlay.patches._gdn_metrics import buffer_labels
 
     reports = {str(r["pid"]): r for r in load_reports(server.reports)}
     checked, info = 0, {}

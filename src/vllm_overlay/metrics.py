@@ -15,14 +15,16 @@ Series (all prefixed ``vllm_overlay_``):
 
 - ``forward_scheduled_tokens`` histogram: scheduled tokens per real model forward, summed over
   the server's engines, tensor-parallel rank 0 only (the other ranks run the same forwards).
-  Buckets: every power of two from 1 to 2**20, plus this server's own band edges
-  (max_num_batched_tokens and half of it, the profile cap, the explicit token budgets, the GDN
-  buffer rows, the inner quarter edges of each default band), so that the forwards in the stress
+  Buckets: every power of two from 1 to 2**20, plus this server's own band edges as its processes'
+  reports record them (max_num_batched_tokens and half of it, the profile cap, the token budgets a
+  setting requested, the GDN buffer rows, the inner quarter edges of each default band), so that the forwards in the stress
   harness's default band, and in each of its quarters, are an exact difference of two buckets. Exact per-size counts stay in the JSON reports: one series per
   size would be thousands of series.
 - ``forward_max_scheduled_tokens`` gauge: the largest real forward since the server started.
 - ``guard_checks_total`` / ``guard_trips_total`` counters, per process (``role``, ``pid``).
-- ``gdn_buffer_rows`` / ``gdn_buffer_bytes`` gauges, per buffer and process.
+- ``gdn_buffer_rows`` / ``gdn_buffer_bytes`` gauges, per buffer and process: the families of patch
+  gdn-output-prealloc (``patches/_gdn_metrics.py``), like every patch's own, come from the patch's
+  hook ``metric_families(reports)`` (``PatchSpec.hooks``), called at each scrape.
 - ``patch_info`` (``patch``, ``status``, ``role``, ``pid``, ``waiting_for``): one series per patch and
   process; ``worker-only`` where a process that is no worker holds a patch armed for modules only
   workers import (``reports.shown_status``), ``waiting_for`` the modules an armed patch waits for.
@@ -40,6 +42,7 @@ readable both ways is counted once (``reports.dedupe``).
 
 from __future__ import annotations
 
+import importlib
 import os
 import threading
 import time
@@ -123,42 +126,46 @@ class ReportCache:
         self.skipped[path] = why
 
 
+def recorded_edges(rep: dict[str, Any]) -> set[int]:
+    """The token counts a process's report says its settings gave: the profile cap the worker ran
+    with (``engine_config.profile_run_cap``) and each budget requested by a setting (``budgets``:
+    ``requested`` where ``requested_source`` names the variable). Read from the report, never from
+    this process's environment: the API server's may differ from the workers'."""
+    out: set[int] = set()
+    cap = (rep.get("engine_config") or {}).get("profile_run_cap")
+    if isinstance(cap, int) and not isinstance(cap, bool) and cap > 0:
+        out.add(cap)
+    for b in rep.get("budgets") or []:
+        if not isinstance(b, dict) or not str(b.get("requested_source", "")).startswith(("env ", "alias ")):
+            continue
+        requested = b.get("requested")
+        if isinstance(requested, int) and not isinstance(requested, bool) and requested > 0:
+            out.add(requested)
+    return out
+
+
 def bucket_edges(reports: list[dict[str, Any]]) -> list[int]:
-    """Powers of two plus this server's own band edges (see the module docstring)."""
+    """Powers of two plus this server's own band edges (see the module docstring), all read from
+    the reports."""
     edges = set(POW2_EDGES)
     tops: set[int] = set()
+    lows: set[int] = set()
     for rep in reports:
         mnbt = (rep.get("engine_config") or {}).get("max_num_batched_tokens")
         if isinstance(mnbt, int) and mnbt > 0:
             edges.update((mnbt, mnbt // 2))
             tops.add(mnbt)
+            lows.add(mnbt // 2)
         edges.update(int(b["rows"]) for b in rep.get("buffers", []) if b.get("rows"))
-    lows = {t // 2 for t in tops}
-    for name in ("VLLM_OVERLAY_PROFILE_RUN_CAP", "VLLM_OVERLAY_PREALLOC_TOKEN_BUDGET",
-                 "VLLM_OVERLAY_GDN_MAX_BATCHED_TOKENS"):
-        try:
-            value = settings.value(name)
-        except Exception:  # noqa: BLE001 - a bad value stopped start-up already; not our job here
-            continue
-        if value:
-            edges.add(int(value))
-            lows.add(int(value))
+        recorded = recorded_edges(rep)
+        edges.update(recorded)
+        lows.update(recorded)
     # the quarter edges of the stress's default bands, (low, mnbt], so /metrics counts each quarter
     for top in tops:
         for low in lows:
             if 0 <= low < top:
                 edges.update(low + (top - low) * i // 4 for i in (1, 2, 3))
     return sorted(e for e in edges if e > 0)
-
-
-def buffer_labels(buf: dict[str, Any]) -> list[str]:
-    """(engine, device, dtype, shape, source) of a GDN buffer's report entry. Its key is
-    (engine, device, dtype, heads, head_dim); the engine is the config id (``config-<hex>``)."""
-    key = [str(k) for k in (buf.get("key") or [])]
-    if len(key) == 4:  # reports written before the key named its engine
-        key = [str(buf.get("engine", "")), *key]
-    key = (key + ["", "", "", "", ""])[:5]
-    return [key[0], key[1], key[2], f"{key[3]}x{key[4]}", str(buf.get("source", ""))]
 
 
 def families(reports: list[dict[str, Any]], server: str | None,
@@ -192,10 +199,6 @@ def families(reports: list[dict[str, Any]], server: str | None,
     trips = CounterMetricFamily(PREFIX + "guard_trips",
                                 "Capacity guard trips: a forward larger than the GDN buffer, refused.",
                                 labels=["role", "pid"])
-    rows = GaugeMetricFamily(PREFIX + "gdn_buffer_rows", "Token rows of a preallocated GDN output buffer.",
-                             labels=["role", "pid", "engine", "device", "dtype", "shape", "source"])
-    size = GaugeMetricFamily(PREFIX + "gdn_buffer_bytes", "Bytes of a preallocated GDN output buffer.",
-                             labels=["role", "pid", "engine", "device", "dtype", "shape", "source"])
     info = InfoMetricFamily(PREFIX + "patch", "One series per patch and process: its status there (worker-only: "
                             "armed in a process that is no worker, for modules only workers import; it acts in "
                             "the workers) and the modules an armed patch waits for.",
@@ -215,10 +218,6 @@ def families(reports: list[dict[str, Any]], server: str | None,
         counters = rep.get("counters") or {}
         checks.add_metric([role, pid], int(counters.get("guard_checks", 0)))
         trips.add_metric([role, pid], int(counters.get("guard_trips", 0)))
-        for b in rep.get("buffers", []):
-            labels = [role, pid, *buffer_labels(b)]
-            rows.add_metric(labels, int(b.get("rows", 0)))
-            size.add_metric(labels, int(b.get("bytes", 0)))
         for patch_id, rec in sorted((rep.get("patches") or {}).items()):
             info.add_metric([patch_id, shown_status(rep, rec), role, pid, waiting_for(rec)], {})
         for k, v in (rep.get("engine_config") or {}).items():
@@ -226,7 +225,8 @@ def families(reports: list[dict[str, Any]], server: str | None,
                 config[k] = str(v)
         if rep.get("vllm_version"):
             config.setdefault("vllm_version", str(rep["vllm_version"]))
-    yield from (checks, trips, rows, size, info, age)
+    yield from (checks, trips, info, age)
+    yield from patch_families(reports)
     cfg = InfoMetricFamily(PREFIX + "engine_config",
                            "The live engine limits the workers saw, and the server id.",
                            labels=["server_id"])
@@ -260,6 +260,35 @@ def families(reports: list[dict[str, Any]], server: str | None,
     shared.add_metric([], max(1, len(servers(reports))) if reports else 0)
     yield shared
     yield from write_families()
+
+
+def patch_families(reports: list[dict[str, Any]]) -> Iterator[Any]:
+    """The families each patch owns: every registry patch whose spec declares the hook
+    ``metric_families`` is called with the reports, whatever its status in this process (it acts in
+    the workers). A hook that fails is one WARNING per distinct error, naming the patch; the other
+    series stay."""
+    for mod in hook_modules():
+        try:
+            out = list(mod.metric_families(reports))
+        except Exception as exc:  # noqa: BLE001 - one patch's series never break the others
+            text = f"{mod.SPEC.id}: {type(exc).__name__}: {exc}"
+            if text not in _hook_warned:
+                _hook_warned.add(text)
+                LOG.warning("/metrics: the series of patch %s are left out: metric_families failed: %s: %s",
+                            mod.SPEC.id, type(exc).__name__, exc)
+            continue
+        yield from out
+
+
+_hook_warned: set[str] = set()
+
+
+def hook_modules() -> list[Any]:
+    """The registry's patch modules that declare the hook ``metric_families``, in apply order."""
+    from vllm_overlay.registry import PATCH_MODULES
+
+    mods = [importlib.import_module(name) for name in PATCH_MODULES]
+    return [m for m in mods if "metric_families" in m.SPEC.hooks]
 
 
 def write_families() -> Iterator[Any]:

@@ -356,6 +356,47 @@ def patch_entry(patch_id: str) -> dict[str, Any]:
         return dict(STATE.patches.get(patch_id, {}))
 
 
+# ---- what a patch adds to the process's own fields ------------------------------------------
+# A patch module changes the report's process-wide fields (``buffers``, ``engine_config``,
+# ``runner``) only through these, under the state's lock; counters, events, forwards and the
+# worker's ranks through STATE's methods (count, event, record_forward, record_dummy, set_identity).
+
+
+def add_buffer(info: dict[str, Any]) -> None:
+    """List ``info`` under ``buffers``; the patch keeps the dict and changes it with buffer_note."""
+    with STATE.lock:
+        STATE.buffers.append(info)
+        STATE.dirty = True
+
+
+def buffer_note(info: dict[str, Any], **fields: Any) -> None:
+    """Set ``fields`` in a buffer's entry (one that add_buffer listed, or one that is not listed yet)."""
+    with STATE.lock:
+        info.update(fields)
+        STATE.dirty = True
+
+
+def set_engine_config(config: dict[str, Any]) -> None:
+    """Replace ``engine_config``: the live limits of the runner this process serves."""
+    with STATE.lock:
+        STATE.engine_config = dict(config)
+        STATE.dirty = True
+
+
+def engine_config_note(**fields: Any) -> None:
+    """Set ``fields`` in ``engine_config`` (the others stay)."""
+    with STATE.lock:
+        STATE.engine_config = {**STATE.engine_config, **fields}
+        STATE.dirty = True
+
+
+def set_runner(kind: str, class_name: str) -> None:
+    """``runner``: the kind (V1, V2) and class of the model runner the worker built."""
+    with STATE.lock:
+        STATE.runner = {"kind": kind, "class": class_name}
+        STATE.dirty = True
+
+
 def flush() -> str | None:
     """Write this process's report now; returns its path."""
     return STATE.write()

@@ -24,7 +24,7 @@ BEYOND_MATRIX = ("", "carry", "never")  # PatchSpec.beyond_matrix ("": undeclare
 # a patch armed in another process (API server, engine core) that waits only for these acts in the workers,
 # and reports say so (reports.shown_status) instead of "armed" forever.
 WORKER_MODULES = ("vllm.v1.worker.", "vllm.model_executor.layers.")
-HOOKS = ("prepare", "on_revert", "bind")  # the patch-module functions a spec may declare (PatchSpec.hooks)
+HOOKS = ("prepare", "on_revert", "bind", "metric_families")  # the patch-module functions a spec may declare (PatchSpec.hooks)
 
 
 @dataclass(frozen=True)
@@ -163,7 +163,10 @@ class PatchSpec:
     # (prepare(module_name), before the first wrap once a target module is imported),
     # "on_revert" (on_revert(), after its wrappers are removed) and "bind" (bind(context), the
     # process's context.PatchContext, before its first target is installed: a patch reads the other
-    # patches through it, never through core); a module defining one must declare it
+    # patches through it, never through core) and "metric_families" (metric_families(reports): the
+    # /metrics families the patch owns, built from the server's reports; metrics.py calls it in the
+    # API server at every scrape, whatever the patch's status there); a module defining one must
+    # declare it
     hooks: tuple[str, ...] = ()
     # ids of the patches whose wrappers this one's enclose on every vLLM function both change (this
     # one sees the call first and passes on what it changed): two patches that change one

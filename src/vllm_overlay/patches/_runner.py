@@ -123,9 +123,7 @@ def note(runner: Any) -> None:
     except TypeError:
         _noted[0] = None
     k = kind(runner)
-    with STATE.lock:
-        STATE.runner = {"kind": k or "unknown", "class": class_name(runner)}
-        STATE.dirty = True
+    report.set_runner(k or "unknown", class_name(runner))
 
 
 def fired(patch_id: str, runner: Any, hook: str) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-from vllm_overlay import budget, settings
+from vllm_overlay import budget, report, settings
 from vllm_overlay.patches import _runner
 from vllm_overlay.patches._runner import (
     RUNNER_CLASS,
@@ -91,8 +91,7 @@ def _note_runner(runner: Any) -> None:
         # the hybrid page planner raises the block size after the runner is built: keep it live
         block = int(getattr(getattr(runner, "cache_config", None), "block_size", 0) or 0)
         if block and STATE.engine_config.get("block_size") not in (None, block):
-            STATE.engine_config = {**STATE.engine_config, "block_size": block}
-            STATE.dirty = True
+            report.engine_config_note(block_size=block)
         return
     try:
         _noted[0] = weakref.ref(runner)
@@ -100,7 +99,7 @@ def _note_runner(runner: Any) -> None:
         _noted[0] = None
     STATE.set_identity(worker_rank(), tp_rank())
     try:
-        STATE.engine_config = {
+        report.set_engine_config({
             "max_num_batched_tokens": int(runner.scheduler_config.max_num_batched_tokens),
             "max_num_seqs": int(runner.scheduler_config.max_num_seqs),
             "max_model_len": int(runner.model_config.max_model_len),
@@ -114,11 +113,11 @@ def _note_runner(runner: Any) -> None:
             "mamba_cache_mode": str(getattr(runner.cache_config, "mamba_cache_mode", "none") or "none"),
             "long_prefill_token_threshold": int(getattr(runner.scheduler_config,
                                                         "long_prefill_token_threshold", 0) or 0),
-        }
+        })
         if getattr(runner, "max_num_tokens", None) is not None:
             budget.note_runner_limit(runner.vllm_config, runner.max_num_tokens)
     except Exception:  # noqa: BLE001 - a runner without these fields: leave it empty
-        STATE.engine_config = {"unknown": True}
+        report.set_engine_config({"unknown": True})
 
 
 def _execute_model(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -29,9 +29,9 @@ import threading
 import weakref
 from typing import Any
 
-from vllm_overlay import budget, settings
+from vllm_overlay import budget, report, settings
 from vllm_overlay.errors import CapacityError
-from vllm_overlay.patches import _runner
+from vllm_overlay.patches import _gdn_metrics, _runner
 from vllm_overlay.patches._runner import (
     RUNNER_CLASS,
     RUNNER_MODULES,
@@ -150,7 +150,7 @@ REWRITES = tuple(dataclasses.replace(rw, gone=GONE) for rw in REWRITES)
 
 SPEC = PatchSpec(
     id="gdn-output-prealloc",
-    hooks=("on_revert",),
+    hooks=("on_revert", "metric_families"),
     title="GDN output buffer sized by the token-budget resolver, guarded outside compiled code",
     why=__doc__.split("\n\n")[1] + " " + __doc__.split("\n\n")[2],
     upstream="https://github.com/vllm-project/vllm/pull/28182 (why the buffer must be zeroed)",
@@ -264,8 +264,8 @@ def _renew_after_fork() -> None:
     global _lock, _sizes
     _lock = threading.Lock()
     _sizes = {k: {**v, "inherited_from": STATE.forked_from} for k, v in _sizes.items()}
-    with STATE.lock:
-        STATE.buffers.extend(_sizes.values())
+    for info in _sizes.values():
+        report.add_buffer(info)
 
 
 os.register_at_fork(after_in_child=_renew_after_fork)
@@ -321,9 +321,7 @@ def _freed(key: Key) -> None:
             del _pool[key]
         info = _sizes.pop(key, None)
     if info is not None:
-        with STATE.lock:
-            info["freed"] = True
-            STATE.dirty = True
+        report.buffer_note(info, freed=True)
         LOG.info("GDN output buffer %s freed (its engine's layers were released)", list(key))
 
 
@@ -357,13 +355,10 @@ def _attach(layer: Any) -> None:
             info = {"key": list(key), "engine": engine, "rows": rows, "source": source,
                     "dtype_source": dtype_source, "bytes": buf.numel() * buf.element_size(), "layers": 0}
             _sizes[key] = info
-            with STATE.lock:
-                STATE.buffers.append(info)
+            report.add_buffer(info)
             LOG.info("GDN output buffer %s: %d rows (%s), %.1f MiB shared by every GDN layer of this engine",
                      list(key), rows, source, info["bytes"] / 2**20)
-        with STATE.lock:
-            _sizes[key]["layers"] += 1
-            STATE.dirty = True
+        report.buffer_note(_sizes[key], layers=_sizes[key]["layers"] + 1)  # under _lock: no lost count
         _layers.append(weakref.ref(layer))
     object.__setattr__(layer, ATTR, buf)
 
@@ -512,3 +507,8 @@ def on_revert() -> None:
             fin.detach()
         _engines.clear()
         _unreadable_logged.clear()
+
+
+def metric_families(reports: list[dict[str, Any]]) -> Any:
+    """This patch's series on /metrics (the buffers each process reported): ``_gdn_metrics.py``."""
+    return _gdn_metrics.families(reports)

@@ -112,10 +112,10 @@ def test_hooks_are_declared_in_the_spec(monkeypatch) -> None:  # type: ignore[no
     from vllm_overlay import core
     from vllm_overlay.errors import OverlayError
     from vllm_overlay.patches import turboquant_v1_kv_shape as mod
-    from vllm_overlay.spec import PatchSpec
+    from vllm_overlay.spec import HOOKS, PatchSpec
 
     for spec, module in core.registry():
-        defined = {h for h in ("prepare", "on_revert", "bind") if callable(getattr(module, h, None))}
+        defined = {h for h in HOOKS if callable(getattr(module, h, None))}
         assert set(spec.hooks) == defined, spec.id
     monkeypatch.setattr(mod, "SPEC", dataclasses.replace(mod.SPEC, hooks=()))
     core._order_checked[0] = ()

@@ -13,6 +13,8 @@ import sys
 
 import wrapt
 
+from conftest import clean_env
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SRC = os.path.join(os.path.dirname(HERE), "src")
 OTHER = {"1": "wrapt==2.0.1", "2": "wrapt==1.17.2"}  # the other major's tested release
@@ -37,8 +39,7 @@ def _install(requirement: str) -> str:
 def test_wrap_and_core_under_the_other_wrapt_major() -> None:
     requirement = OTHER[wrapt.__version__.split(".")[0]]
     path = _install(requirement)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_OVERLAY", "GENESIS_"))}
-    env["PYTHONPATH"] = os.pathsep.join([path, SRC])
+    env = clean_env(PYTHONPATH=os.pathsep.join([path, SRC]))  # with the suite's report folder
     probe = subprocess.run([sys.executable, "-c", "import wrapt; print(wrapt.__version__)"],
                            env=env, capture_output=True, text=True, check=True)
     assert probe.stdout.strip() == requirement.split("==")[1], probe.stdout

@@ -394,22 +394,15 @@ def traffic_phase(label: str, phases: tuple[str, ...], gpu: str | None, t_end: f
             series_mark(label, failed=f"the server died during the stress (exit {rc})")
             dispatch(["stop", label])
         return AGAIN
-    if "logprobs" in phases and opts["logprobs"] is not None and "logprobs_rc" not in mark:
-        if t_end - time.time() < 30:
-            return LEAVE
-        rc = traffic(label, gpu, t_end, ["logprobs", label, *opts["logprobs"]])
-        if rc is None:
-            return LEAVE
-        series_mark(label, logprobs_rc=rc)
-        return AGAIN
-    if "continuation" in phases and opts["continuation"] is not None and "continuation_rc" not in mark:
-        if t_end - time.time() < 30:
-            return LEAVE
-        rc = traffic(label, gpu, t_end, ["continuation", label, *opts["continuation"]])
-        if rc is None:
-            return LEAVE
-        series_mark(label, continuation_rc=rc)
-        return AGAIN
+    for step in ("logprobs", "continuation"):  # one request phase each, resumable by its mark
+        if step in phases and opts[step] is not None and f"{step}_rc" not in mark:
+            if t_end - time.time() < 30:
+                return LEAVE
+            rc = traffic(label, gpu, t_end, [step, label, *opts[step]])
+            if rc is None:
+                return LEAVE
+            series_mark(label, **{f"{step}_rc": rc})
+            return AGAIN
     return None
 
 

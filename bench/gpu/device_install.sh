@@ -55,13 +55,40 @@ if [ "$have" != "$version" ]; then
   rm -rf "$tmp/payload"
   echo "$version" > "$site/.staged-vllm"
 fi
+# PYTHONPATH folders get no .pth processing, and CUTLASS DSL's wheel puts its `cutlass` package on the
+# path through one (vLLM 0.34.0's kernel warm-up imports it on CUDA): a sitecustomize here runs the
+# folder's .pth files in every process that has it on PYTHONPATH, then the one it shadows, if any
+cat > "$site/sitecustomize.py" <<'SITE'
+"""Written by bench/gpu/device_install.sh: runs this folder's .pth files (PYTHONPATH folders get none),
+then the sitecustomize module this one shadows, if there is one."""
+import importlib.util
+import os
+import site
+import sys
+
+_here = os.path.dirname(os.path.abspath(__file__))
+site.addsitedir(_here)
+for _entry in sys.path:
+    if _entry and os.path.abspath(_entry) != _here:
+        _path = os.path.join(_entry, "sitecustomize.py")
+        if os.path.isfile(_path):
+            _spec = importlib.util.spec_from_file_location("_shadowed_sitecustomize", _path)
+            try:
+                _spec.loader.exec_module(importlib.util.module_from_spec(_spec))
+            except Exception as _exc:  # the shadowed one's failure is its own, as Python's would be
+                print(f"sitecustomize: {_path}: {_exc!r}", file=sys.stderr)
+            break
+SITE
 if [ -f pyproject.toml ]; then
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target "$site" . >/dev/null
 fi
 PYTHONPATH="$site" python3 - "$version" <<'PY'
-import sys, torch, vllm
+import sys, torch, vllm, importlib.util
 if vllm.__version__ != sys.argv[1]:
     sys.exit(f"device_install.sh: the staged site holds vLLM {vllm.__version__}, expected {sys.argv[1]}")
 gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-print("vllm", vllm.__version__, "| torch", torch.__version__, "|", gpu)
+extra = ""
+if importlib.util.find_spec("nvidia_cutlass_dsl"):  # its .pth, run by the site's sitecustomize
+    extra = " | cutlass " + ("found" if importlib.util.find_spec("cutlass") else "NOT FOUND")
+print("vllm", vllm.__version__, "| torch", torch.__version__, "|", gpu + extra)
 PY

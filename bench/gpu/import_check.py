@@ -136,7 +136,10 @@ def main() -> int:
     ap.add_argument("--image", required=True)
     ap.add_argument("--wheels", required=True)
     ap.add_argument("--model-dir", default="", help="config.json folder (default: the overlay's tiny hybrid)")
+    ap.add_argument("--also", default="", metavar="MODULES",
+                    help="more modules to import, comma-separated (e.g. what a release imports lazily at warm-up)")
     args = ap.parse_args()
+    also = [m.strip() for m in args.also.split(",") if m.strip()]
     image, wheels = read_list(args.image), read_list(args.wheels)
     missing = Missing()
     sys.meta_path.append(missing)
@@ -152,11 +155,19 @@ def main() -> int:
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()
-    for mod in MODULES:
+    absent = []  # modules of the list that this release does not have (0.34.0 removed Model Runner V1's)
+    for mod in [*MODULES, *also]:
         try:
             importlib.import_module(mod)
+        except ModuleNotFoundError as exc:
+            if exc.name and (mod == exc.name or mod.startswith(exc.name + ".")) and exc.name.startswith("vllm."):
+                absent.append(mod)
+            else:
+                failures[mod] = traceback.format_exc(limit=-4)
         except BaseException:  # noqa: BLE001 - reported
             failures[mod] = traceback.format_exc(limit=-4)
+    if absent:
+        print(f"not in this release ({len(absent)}): {', '.join(absent)}")
 
     # the CLI parser of `vllm serve` (builds every argument group)
     from vllm.entrypoints.cli import main as cli_main
@@ -191,7 +202,7 @@ def main() -> int:
                          max_num_batched_tokens=8192, max_model_len=32768, max_num_seqs=32,
                          enable_prefix_caching=False,
                          additional_config={"gdn_prefill_backend": "triton"}).create_engine_config()
-        print(f"engine config: use_v2_model_runner={cfg.use_v2_model_runner} "
+        print(f"engine config: use_v2_model_runner={getattr(cfg, 'use_v2_model_runner', 'gone (V2 only)')} "
               f"hybrid={cfg.model_config.is_hybrid} attention_backend={cfg.attention_config.backend}")
         from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import _resolve_gdn_prefill_backend
 

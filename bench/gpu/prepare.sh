@@ -36,8 +36,8 @@ if [ ! -f "$DEVICE_WHEELS" ]; then
   # no list for this release yet: made from the host's packages with the decisions of the 0.34.0 list
   # (bench/gpu/README.md, "vLLM 0.33.0" and "vLLM 0.34.0": the image's numba, setuptools, numpy,
   # cuBLAS and cuSPARSELt reused outside their pins; transformers carried (the image's 5.17.0 refuses
-  # the huggingface-hub 2.x that 0.34.0 needs); FlashInfer, QuACK, cuDNN and the other optional
-  # packages left out (CUTLASS DSL no longer: 0.34.0's kernel warm-up imports it on CUDA); the 0.26.0
+  # the huggingface-hub 2.x that 0.34.0 needs); FlashInfer, cuDNN and the other optional packages left
+  # out (CUTLASS DSL and QuACK no longer: 0.34.0's kernel warm-up imports both on CUDA); the 0.26.0
   # list's versions preferred where a requirement allows them). torch, triton and NCCL are carried when
   # the release pins another version than the host has.
   if [ -z "${HOST_PACKAGES:-}" ]; then
@@ -50,7 +50,7 @@ if [ ! -f "$DEVICE_WHEELS" ]; then
   walk=(--prefer "$here/device-wheels-0.26.0.txt"
         --reuse numba --reuse setuptools --reuse numpy --reuse cuda-toolkit --reuse nvidia-cublas
         --reuse nvidia-cusparselt-cu13 --carry transformers
-        --leave-out flashinfer-python --leave-out quack-kernels
+        --leave-out flashinfer-python
         --leave-out tilelang --leave-out tokenspeed-mla --leave-out humming-kernels --leave-out PyNvVideoCodec
         --leave-out torchcodec --leave-out fastsafetensors --leave-out nvidia-cudnn-frontend
         --leave-out instanttensor --leave-out nvidia-cudnn-cu13)

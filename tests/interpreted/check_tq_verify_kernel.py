@@ -353,7 +353,7 @@ def test_patch_forward_on_a_marked_batch(version: str, vllm_stores: dict[str, An
     def stock(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("a marked batch must not reach vLLM's forward")
 
-    forward = getattr(tsd, [t.wrapper for t in tsd.SPEC.wrap_targets(version)][1])
+    forward = [t.wrapper for t in tsd.SPEC.wrap_targets(version)][1]
     res = forward(stock, impl, (layer, query, query, query, cache, meta), {"output": output})
     assert res is output and ensured == [torch.device("cpu")]
     for i, n in enumerate(lens):

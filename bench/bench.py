@@ -41,8 +41,7 @@ import sys
 import time
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
+import common  # bench/common.py: run as python3 bench/bench.py, Python puts bench/ first on sys.path
 
 CONFIGS = {"overlay": {}, "stock": {"VLLM_OVERLAY": "0"}}
 

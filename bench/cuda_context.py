@@ -32,9 +32,12 @@ import sys
 import time
 from typing import Any
 
+if __package__:  # imported as bench.cuda_context (the tests)
+    from .memory_serve import parse_apps
+else:  # run as python3 bench/cuda_context.py: Python puts bench/ first on sys.path
+    from memory_serve import parse_apps  # bench/memory_serve.py (stdlib only): the driver's per-process figures
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from memory_serve import parse_apps  # noqa: E402 - bench/memory_serve.py (stdlib only): the driver's per-process figures
 STAGES = ("init", "cublas", "triton")
 MIB = 1 << 20
 

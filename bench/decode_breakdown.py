@@ -58,10 +58,14 @@ import time
 import urllib.request
 from typing import Any
 
+if __package__:  # imported as bench.decode_breakdown (the tests)
+    from . import common
+    from . import serve_measure as sm
+else:  # run as python3 bench/decode_breakdown.py: Python puts bench/ first on sys.path
+    import common  # type: ignore[no-redef]  # bench/common.py (stdlib only)
+    import serve_measure as sm  # type: ignore[no-redef]  # stdlib only
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import common  # noqa: E402 - bench/common.py (stdlib only)
-import serve_measure as sm  # noqa: E402 - stdlib only
 
 LABELS = {
     "gdn_recurrent": "GDN recurrent update", "gdn_conv": "GDN conv", "glue": "gating / norm glue",

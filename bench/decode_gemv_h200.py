@@ -40,7 +40,8 @@ import time
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
+if not __package__:  # run as python3 bench/decode_gemv_h200.py: this checkout's src/ before any installed copy
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 
 
 def shapes(cfg: dict[str, Any]) -> list[dict[str, Any]]:

@@ -26,9 +26,11 @@ from packaging.version import Version
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(ROOT, "src"))
-import evidence  # noqa: E402 - bench/evidence.py
+if __package__:  # imported as bench.levels (the tests)
+    from . import evidence
+else:  # run as python3 bench/levels.py: bench/ is first on sys.path; this checkout's src/ before any installed copy
+    sys.path.insert(0, os.path.join(ROOT, "src"))
+    import evidence  # type: ignore[no-redef]  # bench/evidence.py
 
 from vllm_overlay import levels  # noqa: E402
 from vllm_overlay.tools import matrix  # noqa: E402

@@ -11,11 +11,14 @@ import json
 import os
 import sys
 
+if __package__:  # imported as bench.make_table (the tests)
+    from . import common, serve_measure
+else:  # run as python3 bench/make_table.py: Python puts bench/ first on sys.path
+    import common  # type: ignore[no-redef]  # bench/common.py (stdlib only at import)
+    import serve_measure  # type: ignore[no-redef]  # bench/serve_measure.py (stdlib only)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
-import common  # noqa: E402 - bench/common.py (stdlib only at import)
-import serve_measure  # noqa: E402 - bench/serve_measure.py (stdlib only)
 
 
 def fmt_stat(s: dict | None, scale: float = 1.0, digits: int = 1) -> str:  # type: ignore[type-arg]

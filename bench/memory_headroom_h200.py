@@ -51,8 +51,7 @@ import time
 import traceback
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
+import common  # bench/common.py: run as python3 bench/memory_headroom_h200.py, Python puts bench/ first on sys.path
 
 MAX_MODEL_LEN = 32768
 MAX_NUM_SEQS = 64

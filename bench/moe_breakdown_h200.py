@@ -42,8 +42,10 @@ import time
 import traceback
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
+if __package__:  # imported as bench.moe_breakdown_h200 (the tests)
+    from . import common
+else:  # run as python3 bench/moe_breakdown_h200.py (or imported by bench/bench.py): bench/ is on sys.path
+    import common  # type: ignore[no-redef]
 
 CONFIGS = {"overlay": {}, "stock": {"VLLM_OVERLAY": "0"}}
 

@@ -21,8 +21,7 @@ import sys
 import time
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
+import common  # bench/common.py: run as python3 bench/redgreen.py, Python puts bench/ first on sys.path
 
 # The legacy tree had no memory-headroom, and its forward of max_num_batched_tokens at boot would
 # meet the 4096-row buffer before any traffic: off in the configurations that reproduce that tree.

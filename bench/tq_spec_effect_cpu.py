@@ -35,9 +35,9 @@ import subprocess
 import sys
 import tempfile
 
+import serve_measure as sm  # bench/serve_measure.py: run as a script, Python puts bench/ first on sys.path
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import serve_measure as sm  # noqa: E402
 
 LENGTHS = (16, 512, 1024, 2000, 4000)
 

@@ -49,8 +49,7 @@ import time
 import traceback
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
+import common  # bench/common.py: run as python3 bench/v2_runner_h200.py, Python puts bench/ first on sys.path
 
 RUNNER_PATCHES = ("forward-telemetry", "gdn-output-prealloc", "profile-run-cap")
 CONFIGS = {

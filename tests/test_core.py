@@ -17,6 +17,12 @@ from vllm_overlay.errors import PatchConflictError, StrictModeError, UnknownPatc
 from vllm_overlay.patches import gdn_output_prealloc as gdn
 from vllm_overlay.report import STATE
 
+
+def _w(wrapped, instance, args, kwargs):  # type: ignore[no-untyped-def]
+    """A pass-through wrapper for the specs built here (never installed)."""
+    return wrapped(*args, **kwargs)
+
+
 TARGET_MODULES = (
     "vllm.config.vllm",
     "vllm.v1.worker.gpu_model_runner",
@@ -294,21 +300,21 @@ def test_a_target_for_one_platform_is_pending_only_there() -> None:
 
     spec = PatchSpec(id="p", title="t", why="w", upstream="u", mechanism="wrap", default=True, retire_when="r",
                      support=(Support(">=0.20.0", "applies", "x"),),
-                     targets=(Target("m.cuda_mod", "A.f", wrapper="_w", platform="cuda"),
-                              Target("m.cpu_mod", "B.f", wrapper="_w", platform="cpu"),
-                              Target("m.both", "C.f", wrapper="_w")))
+                     targets=(Target("m.cuda_mod", "A.f", wrapper=_w, platform="cuda"),
+                              Target("m.cpu_mod", "B.f", wrapper=_w, platform="cpu"),
+                              Target("m.both", "C.f", wrapper=_w)))
     assert spec.modules("0.32.0", "cuda") == ["m.both", "m.cuda_mod"]
     assert spec.modules("0.32.0", "cpu") == ["m.both", "m.cpu_mod"]
     assert spec.modules("0.32.0") == ["m.both", "m.cpu_mod", "m.cuda_mod"]
     with pytest.raises(ValueError, match="Target.platform='rocm'"):
-        Target("m", "A.f", wrapper="_w", platform="rocm")
+        Target("m", "A.f", wrapper=_w, platform="rocm")
 
 
 def test_disabled_by_turns_a_default_on_patch_off_with_its_setting_named() -> None:
     from vllm_overlay.spec import PatchSpec, Support, Target
 
     kw = dict(id="p", title="t", why="w", upstream="u", mechanism="wrap", retire_when="r",
-              support=(Support(">=0.20.0", "applies", "x"),), targets=(Target("m", "A.f", wrapper="_w"),))
+              support=(Support(">=0.20.0", "applies", "x"),), targets=(Target("m", "A.f", wrapper=_w),))
     with pytest.raises(ValueError, match="disabled_by turns off a default-on patch"):
         PatchSpec(default=False, disabled_by="VLLM_OVERLAY_STRICT", **kw)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="exclusive"):

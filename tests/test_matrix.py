@@ -38,12 +38,12 @@ def test_every_release_and_patch_has_a_status_and_a_reason() -> None:
             assert c.reason
 
 
-def test_every_wrapper_named_by_a_spec_exists() -> None:
+def test_every_wrapper_bound_by_a_spec_is_a_function_of_its_module() -> None:
     for name in PATCH_MODULES:
         mod = importlib.import_module(name)
         for t in mod.SPEC.targets:
             if t.wrapper is not None:
-                assert callable(getattr(mod, t.wrapper, None)), (mod.SPEC.id, str(t), t.wrapper)
+                assert getattr(mod, t.wrapper_name, None) is t.wrapper, (mod.SPEC.id, str(t), t.wrapper_name)
 
 
 @pytest.mark.parametrize("version", SWEPT)

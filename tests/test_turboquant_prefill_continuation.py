@@ -117,7 +117,7 @@ def test_plan_here_and_on_cuda_releases() -> None:
     for v in ("0.20.0", "0.20.2", "0.22.0", "0.26.0", "0.33.0"):
         cuda = {d.spec.id: d for d in core.decide(environ={}, vllm=versions.Installed("vllm", v, "cuda"))}
         assert cuda[tpc.SPEC.id].status == "planned", (v, cuda[tpc.SPEC.id])
-        assert [t.wrapper for t in tpc.SPEC.wrap_targets(v)] == ["_prefill_attention"]
+        assert [t.wrapper for t in tpc.SPEC.wrap_targets(v)] == [tpc._prefill_attention]
     off = {d.spec.id: d for d in core.decide(environ={"VLLM_OVERLAY_DISABLE": tpc.SPEC.id},
                                              vllm=versions.Installed("vllm", "0.20.2", "cuda"))}
     assert off[tpc.SPEC.id].status == "off"

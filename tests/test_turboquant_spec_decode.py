@@ -214,7 +214,7 @@ def test_plan_here_and_on_cuda_releases() -> None:
                        ("0.26.0", "_forward_head_major"), ("0.33.0", "_forward_head_major")):
         cuda = {d.spec.id: d for d in core.decide(environ={}, vllm=versions.Installed("vllm", v, "cuda"))}
         assert cuda["turboquant-spec-decode"].status == "planned", (v, cuda["turboquant-spec-decode"])
-        assert [t.wrapper for t in tsd.SPEC.wrap_targets(v)] == ["_build", forward], v
+        assert [t.wrapper for t in tsd.SPEC.wrap_targets(v)] == [tsd._build, getattr(tsd, forward)], v
         if v == "0.20.2":
             assert cuda["hybrid-turboquant"].status == "planned"
     off = {d.spec.id: d for d in core.decide(environ={"VLLM_OVERLAY_DISABLE": "turboquant-spec-decode"},
@@ -297,7 +297,7 @@ def test_backend_is_what_the_wrappers_expect(version: str, store_hashes: dict[st
     assert "    Hk = kv_cache.shape[2]\n    block_size = kv_cache.shape[1]\n" in srcs[DECODE]
     # the cache layout the forward wrapper assumes, and where vLLM's forward transposes it
     body = src[sig.end():src.index("    def _store_kv(")]
-    head_major = [t.wrapper for t in tsd.SPEC.wrap_targets(version)][1] == "_forward_head_major"
+    head_major = [t.wrapper for t in tsd.SPEC.wrap_targets(version)][1] is tsd._forward_head_major
     if head_major:
         transpose = "kv_cache = kv_cache.transpose(1, 2)"
         assert body.count(transpose) == 1

@@ -134,7 +134,7 @@ def test_plan_per_release() -> None:
     for v, status in want.items():
         got = {d.spec.id: d for d in core.decide(environ={}, vllm=versions.Installed("vllm", v, "cuda"))}
         assert got[kvs.SPEC.id].status == status, (v, got[kvs.SPEC.id])
-    assert [t.wrapper for t in kvs.SPEC.wrap_targets("0.26.0")] == ["_reshape", "_kv_cache_shape"]
+    assert [t.wrapper for t in kvs.SPEC.wrap_targets("0.26.0")] == [kvs._reshape, kvs._kv_cache_shape]
     off = {d.spec.id: d for d in core.decide(environ={"VLLM_OVERLAY_DISABLE": kvs.SPEC.id},
                                              vllm=versions.Installed("vllm", "0.26.0", "cuda"))}
     assert off[kvs.SPEC.id].status == "off"

@@ -101,7 +101,7 @@ def test_a_rewrite_target_range_wider_than_its_applies_rows() -> None:
 
 def test_a_target_range_that_selects_no_release_it_applies_on() -> None:
     none = dataclasses.replace(kvs.SPEC, targets=(
-        Target(kvs.RUNNER_MODULE, kvs.RESHAPE, vllm="==0.33.0", wrapper="_reshape"), kvs.SPEC.targets[1]))
+        Target(kvs.RUNNER_MODULE, kvs.RESHAPE, vllm="==0.33.0", wrapper=kvs._reshape), kvs.SPEC.targets[1]))
     assert one(none) == (
         f"turboquant-v1-kv-shape: target {kvs.SPEC.targets[0]} vllm='==0.33.0' matches no release the patch "
         "applies on; expected a range within its 'applies' rows (0.25.0-0.26.0)")

@@ -19,6 +19,12 @@ from vllm_overlay.patches import gdn_output_prealloc as gdn
 from vllm_overlay.report import STATE
 from vllm_overlay.spec import PatchSpec, Support, Target, wrap_order, wrap_order_problems
 
+
+def _w(wrapped, instance, args, kwargs):  # type: ignore[no-untyped-def]
+    """A pass-through wrapper for the specs built here (never installed)."""
+    return wrapped(*args, **kwargs)
+
+
 DUMMY_RUN = f"{_runner.RUNNER_CLASS}._dummy_run"
 
 
@@ -41,7 +47,7 @@ def test_profile_run_cap_is_outermost_on_dummy_run(module: str) -> None:
 def _spec(pid: str, *targets: str, outside: tuple[str, ...] = ()) -> PatchSpec:
     return PatchSpec(
         id=pid, title=pid, why="", upstream="", mechanism="wrap", default=True, retire_when="",
-        targets=tuple(Target("m", q, wrapper="_w") for q in targets),
+        targets=tuple(Target("m", q, wrapper=_w) for q in targets),
         support=(Support(f">={versions.RELEASES[0]}", "applies", "test"),), wraps_outside=outside,
     )
 

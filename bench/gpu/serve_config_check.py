@@ -38,8 +38,9 @@ import traceback
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)  # import_check
-sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # the project root: bench is a package
+# the project root first: bench is a package (import_check, next to this script, is found in bench/gpu/,
+# which Python puts on sys.path for the script)
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 from bench.stack import cli, schedule, series, server  # noqa: E402 - bench/stack/
 
 

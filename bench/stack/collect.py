@@ -47,7 +47,7 @@ def overlay_reports(d: str) -> list[dict[str, Any]]:
 
 
 def classify(text: str) -> str | None:
-    import common
+    from bench import common
 
     return common.classify(text)
 

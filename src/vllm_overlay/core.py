@@ -28,7 +28,14 @@ from vllm_overlay.mechanisms import wrap as wrapmech
 from vllm_overlay import logs
 from vllm_overlay.logs import LOG
 from vllm_overlay.report import STATE
-from vllm_overlay.spec import HOOKS, PatchSpec, dependency_problems, version_problems, wrap_order_problems
+from vllm_overlay.spec import (
+    HOOKS,
+    PatchSpec,
+    binding_problems,
+    dependency_problems,
+    version_problems,
+    wrap_order_problems,
+)
 
 
 def unknown_release(version: str, environ: Mapping[str, str] | None = None) -> str:
@@ -101,7 +108,8 @@ def registry() -> tuple[tuple[PatchSpec, ModuleType], ...]:
         if stale:  # what is installed comes from SPEC alone; a module's own would be silently ignored
             raise OverlayError(
                 f"{name} defines {', '.join(stale)}: patches declare what they wrap and rewrite in SPEC "
-                "(Target(..., wrapper='_fn'), rewrites); mechanisms/install.py installs it"
+                "(its targets, each bound to its wrapper with @wraps, and its rewrites); mechanisms/install.py "
+                "installs it"
             )
         defined = tuple(h for h in HOOKS if callable(getattr(mod, h, None)))
         if set(defined) != set(mod.SPEC.hooks):
@@ -109,6 +117,9 @@ def registry() -> tuple[tuple[PatchSpec, ModuleType], ...]:
                 f"{name}: SPEC.hooks={mod.SPEC.hooks!r} but the module defines {defined!r}: declare every "
                 f"function of {', '.join(HOOKS)} the module defines (core and the installer call only those)"
             )
+        unbound = binding_problems(mod.SPEC, mod)
+        if unbound:
+            raise OverlayError(f"{name}: its targets and wrappers are not bound consistently: " + "; ".join(unbound))
         out.append((mod.SPEC, mod))
     _check_specs(tuple(spec for spec, _ in out))
     return tuple(out)

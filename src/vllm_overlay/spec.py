@@ -12,8 +12,10 @@ one answer to "does it apply on this release"."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import types
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
@@ -27,31 +29,48 @@ WORKER_MODULES = ("vllm.v1.worker.", "vllm.model_executor.layers.")
 HOOKS = ("prepare", "on_revert", "bind", "metric_families")  # the patch-module functions a spec may declare (PatchSpec.hooks)
 
 
+Wrapper = Callable[[Any, Any, tuple[Any, ...], dict[str, Any]], Any]  # wrapt's (wrapped, instance, args, kwargs)
+_W = TypeVar("_W", bound=Wrapper)
+BOUND = "_overlay_targets"  # on a wrapper function: the Targets ``wraps`` bound it to
+
+
 @dataclass(frozen=True)
 class Target:
     """One place a patch changes: ``module`` + ``qualname`` for the vLLM versions in ``vllm``.
 
-    ``wrapper`` names the function of the patch module that wraps it (wrapt signature
-    ``(wrapped, instance, args, kwargs)``); a target without one is changed by a source rewrite
-    recorded in ``PatchSpec.rewrites``. ``params`` are the parameters the wrapper reads by name:
-    the support sweep checks them in every release's source. ``platform`` limits the target to one
-    vLLM build ("cuda" or "cpu"; "" = every platform of the patch): a module only that build imports
-    (e.g. the CPU worker's) would otherwise leave the patch armed forever on the other.
+    ``wrapper`` is the function of the patch module that wraps it (wrapt signature
+    ``(wrapped, instance, args, kwargs)``), bound once with ``@wraps(TARGET)`` on the function,
+    which follows the SPEC in the module; a target without one is changed by a source rewrite
+    recorded in ``PatchSpec.rewrites`` (``binding_problems`` checks that every target has one or
+    the other). ``params`` are the parameters the wrapper reads by name: the support sweep checks
+    them in every release's source. ``platform`` limits the target to one vLLM build ("cuda" or
+    "cpu"; "" = every platform of the patch): a module only that build imports (e.g. the CPU
+    worker's) would otherwise leave the patch armed forever on the other.
     """
 
     module: str
     qualname: str
     vllm: str = ""  # PEP 440 specifier; "" = every release the patch applies on
-    wrapper: str | None = None
     params: tuple[str, ...] = ()
     platform: str = ""
+    # the wrapper function; set by ``wraps`` (or passed here where the function exists before the Target)
+    wrapper: Wrapper | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.platform not in ("", "cuda", "cpu"):
             raise ValueError(f"Target.platform={self.platform!r}: expected '', 'cuda' or 'cpu'")
+        if self.wrapper is not None and not isinstance(self.wrapper, types.FunctionType):
+            raise TypeError(f"Target {self}: wrapper={self.wrapper!r}: expected the wrapper function itself "
+                            "(wrapped, instance, args, kwargs), bound with @wraps(TARGET) on it in the patch module")
 
     def __str__(self) -> str:
         return f"{self.module}:{self.qualname}"
+
+    @property
+    def wrapper_name(self) -> str | None:
+        """The wrapper's name in its module (for the ledger, the docs and error messages); None for a
+        rewritten target."""
+        return None if self.wrapper is None else self.wrapper.__name__
 
     def applies_to(self, version: str) -> bool:
         return not self.vllm or Version(version) in SpecifierSet(self.vllm)
@@ -59,6 +78,36 @@ class Target:
     def on_platform(self, platform: str | None) -> bool:
         """True where this target is installed: every platform when ``platform`` is None."""
         return platform is None or not self.platform or self.platform == platform
+
+
+def wraps(*targets: Target) -> Callable[[_W], _W]:
+    """Decorator: bind the function as the wrapper of ``targets`` (declared before the SPEC, listed in
+    its ``targets``), e.g. ``@wraps(COMPUTE_HASH)`` or ``@wraps(V1_DUMMY_RUN, V2_DUMMY_RUN)``; returns
+    the function unchanged. A target is bound once; ``binding_problems`` (run by the registry check)
+    names a target of the SPEC left without a wrapper or rewrite, and a function bound to a target the
+    SPEC does not list."""
+    if not targets:
+        raise TypeError("wraps(): no target given; expected wraps(TARGET, ...) with the Targets of the SPEC "
+                        "the function wraps")
+    for t in targets:
+        if not isinstance(t, Target):
+            raise TypeError(f"wraps({t!r}): expected Target objects (the module constants listed in SPEC.targets)")
+
+    def bind(fn: _W) -> _W:
+        if not isinstance(fn, types.FunctionType):
+            raise TypeError(f"@wraps({', '.join(map(str, targets))}) on {fn!r}: expected a function "
+                            "(wrapped, instance, args, kwargs)")
+        for t in targets:
+            if t.wrapper is not None and t.wrapper is not fn:
+                raise ValueError(f"@wraps({t}) on {fn.__module__}.{fn.__name__}: the target is already bound to "
+                                 f"{t.wrapper.__module__}.{t.wrapper.__name__}; expected one wrapper per target")
+        for t in targets:
+            object.__setattr__(t, "wrapper", fn)  # frozen: bound once, here
+        before = getattr(fn, BOUND, ())
+        setattr(fn, BOUND, before + tuple(t for t in targets if not any(t is b for b in before)))
+        return fn
+
+    return bind
 
 
 @dataclass(frozen=True)
@@ -221,13 +270,6 @@ class PatchSpec:
         if self.id in self.wraps_outside:
             raise ValueError(f"PatchSpec {self.id!r}: wraps_outside={self.wraps_outside!r} names the patch "
                              "itself; expected the ids of other patches")
-        rewritten = {(rw.target.module, rw.target.qualname) for rw in self.rewrites}
-        for t in self.targets:
-            if t.wrapper is None and (t.module, t.qualname) not in rewritten:
-                raise ValueError(
-                    f"PatchSpec {self.id!r}: target {t} has no wrapper and no recorded rewrite; "
-                    "name the patch module's wrapper function (Target(..., wrapper='_name'))"
-                )
 
     def blocking(self, pending: set[str]) -> set[str]:
         """The modules of ``pending`` (not hooked yet) that keep the patch from being applied."""
@@ -300,6 +342,48 @@ class PatchSpec:
         if self.disabled_by:
             return f"on (off when `{self.disabled_by}`=0)"
         return "on" if self.default else "off"
+
+
+def why_from(doc: str | None) -> str:
+    """A spec's ``why`` from its patch module's docstring: paragraphs 2 and 3 (the first is the title
+    line), joined, whitespace normalised. The one way a patch whose why is its docstring builds it."""
+    paragraphs = (doc or "").split("\n\n")
+    if len(paragraphs) < 2 or not " ".join(paragraphs[1:3]).strip():
+        raise ValueError(f"why_from(doc={(doc or '')[:60]!r}...): expected a module docstring of a title line and "
+                         "at least one more paragraph (the why), separated by blank lines")
+    return " ".join(" ".join(paragraphs[1:3]).split())
+
+
+def binding_problems(spec: PatchSpec, module: types.ModuleType | None = None) -> list[str]:
+    """What is wrong with how ``spec``'s targets are bound, one line each: a target with neither a
+    wrapper (``@wraps``) nor a recorded rewrite; with ``module`` (the patch module), a function of it
+    bound with ``@wraps`` to a Target, or a bound Target constant of it, that ``spec.targets`` does not
+    list. The registry check (core.registry) raises on any; so does the installer."""
+    out = []
+    rewritten = {(rw.target.module, rw.target.qualname) for rw in spec.rewrites}
+    for t in spec.targets:
+        if t.wrapper is None and (t.module, t.qualname) not in rewritten:
+            out.append(f"PatchSpec {spec.id!r}: target {t} has no wrapper and no recorded rewrite; expected the "
+                       "patch module's wrapper function bound to it with @wraps(TARGET) (or a rewrite of it in "
+                       "rewrites)")
+    if module is None:
+        return out
+    listed = ", ".join(map(str, spec.targets)) or "none"
+    seen: list[Target] = []
+    for name, value in vars(module).items():
+        if isinstance(value, types.FunctionType):
+            bound = [(t, f"{module.__name__}.{name} is bound with @wraps to target {t}")
+                     for t in getattr(value, BOUND, ())]
+        elif isinstance(value, Target) and value.wrapper is not None:
+            bound = [(value, f"{module.__name__}.{name} (target {value}) is bound to {value.wrapper_name}")]
+        else:
+            continue
+        for t, what in bound:
+            if not any(t is s for s in spec.targets) and not any(t is s for s in seen):
+                seen.append(t)
+                out.append(f"PatchSpec {spec.id!r}: {what}, which SPEC.targets does not list; expected a Target "
+                           f"of SPEC.targets ({listed})")
+    return out
 
 
 def changed_functions(specs: Sequence[PatchSpec]) -> dict[tuple[str, str], list[str]]:

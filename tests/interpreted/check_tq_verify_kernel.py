@@ -29,12 +29,9 @@ import sys  # noqa: E402
 
 import torch  # noqa: E402
 
-# the torch reference lives with the benchmark that also compares against it (bench/tq_reference.py)
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench"))
-try:
-    import tq_reference as ref  # noqa: E402
-finally:
-    sys.path.pop(0)
+# the torch reference lives with the benchmark that also compares against it (bench/tq_reference.py);
+# the project root is on the tests' path (pyproject.toml)
+from bench import tq_reference as ref  # noqa: E402
 
 # triton.jit picks the interpreter when it decorates (when the kernel module is imported) and the
 # interpreter reads TRITON_INTERPRET again when it runs: set for the import and for each test here
@@ -353,7 +350,7 @@ def test_patch_forward_on_a_marked_batch(version: str, vllm_stores: dict[str, An
     def stock(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("a marked batch must not reach vLLM's forward")
 
-    forward = getattr(tsd, [t.wrapper for t in tsd.SPEC.wrap_targets(version)][1])
+    forward = [t.wrapper for t in tsd.SPEC.wrap_targets(version)][1]
     res = forward(stock, impl, (layer, query, query, query, cache, meta), {"output": output})
     assert res is output and ensured == [torch.device("cpu")]
     for i, n in enumerate(lens):

@@ -1,6 +1,6 @@
 """Install a patch from its PatchSpec alone: when ``module_name`` is imported, apply the source
 rewrites recorded for the installed release in that module, then wrap every target of that
-module that applies to the release with the wrapper function the target names. A failure undoes
+module that applies to the release with the wrapper function bound to the target (``spec.wraps``). A failure undoes
 what this call installed before it raises, so a patch is either in place for a module or not.
 
 A patch whose spec declares the hook ``prepare`` (``PatchSpec.hooks``) has ``prepare(module_name)`` of
@@ -13,7 +13,7 @@ from __future__ import annotations
 from types import ModuleType
 
 from vllm_overlay.mechanisms import rewrite, wrap
-from vllm_overlay.spec import PatchSpec, Target
+from vllm_overlay.spec import PatchSpec, Target, binding_problems
 
 
 def install(spec: PatchSpec, patch_module: ModuleType, module_name: str, version: str,
@@ -21,6 +21,9 @@ def install(spec: PatchSpec, patch_module: ModuleType, module_name: str, version
     """``version``: the release whose targets and rewrites to install. ``check_params``: first check that
     each wrapped target takes the parameters its wrapper reads (a patch carried over to a release newer
     than the matrix, where no sweep checked them), else raise naming the target and the parameters."""
+    unbound = binding_problems(spec)
+    if unbound:
+        raise ValueError("; ".join(unbound))
     out: list[wrap.Installed] = []
     prepare = getattr(patch_module, "prepare", None) if "prepare" in spec.hooks else None
     try:
@@ -32,16 +35,10 @@ def install(spec: PatchSpec, patch_module: ModuleType, module_name: str, version
         for t in spec.wrap_targets(version, platform):
             if t.module != module_name:
                 continue
-            assert t.wrapper is not None
-            fn = getattr(patch_module, t.wrapper, None)
-            if not callable(fn):
-                raise AttributeError(
-                    f"patch {spec.id!r}: target {t} names wrapper {t.wrapper!r}, which "
-                    f"{patch_module.__name__} does not define"
-                )
+            assert t.wrapper is not None  # wrap_targets holds the bound targets only
             if check_params and t.params:
                 _check_params(t)
-            out.append(wrap.wrap(t.module, t.qualname, fn))
+            out.append(wrap.wrap(t.module, t.qualname, t.wrapper))
     except Exception:
         for done in reversed(out):
             done.undo()
@@ -67,5 +64,5 @@ def _check_params(target: Target) -> None:
         return  # no signature to read (a builtin): the wrapper reads arguments as vLLM passes them
     missing = [p for p in target.params if p not in names]
     if missing:
-        raise TypeError(f"{target} takes no parameter(s) {', '.join(missing)}, which its wrapper {target.wrapper} "
+        raise TypeError(f"{target} takes no parameter(s) {', '.join(missing)}, which its wrapper {target.wrapper_name} "
                         f"reads (found: {', '.join(names) or 'none'})")

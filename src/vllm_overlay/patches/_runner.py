@@ -187,7 +187,7 @@ def first_forward_check(spec_of: Callable[[], Any], forward_hooks: dict[str, tup
     the worker's first forward on a runner, ``check_runner``; a hook that is not in place or did
     not fire is a WARNING, or a StrictModeError under VLLM_OVERLAY_STRICT=1."""
 
-    def wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _worker_execute_model(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         runner = getattr(instance, "model_runner", None)
         spec = spec_of()
         done = _checked.setdefault(spec.id, weakref.WeakSet())
@@ -213,7 +213,7 @@ def first_forward_check(spec_of: Callable[[], Any], forward_hooks: dict[str, tup
             LOG.warning(msg)
         return result
 
-    return wrapper
+    return _worker_execute_model
 
 
 def on_revert(patch_id: str) -> None:

@@ -7,12 +7,15 @@ from typing import Any
 
 from vllm_overlay import settings
 from vllm_overlay.context import UNBOUND, PatchContext
-from vllm_overlay.spec import PatchSpec, Proof, Support, Target
+from vllm_overlay.spec import PatchSpec, Proof, Support, Target, wraps
 
 MODULE = "vllm.config.vllm"
 QUALNAME = "VllmConfig.compute_hash"  # vLLM 0.20.0-0.33.0: the config's part of the key, a hex string
 FACTORS = "VllmConfig.compile_factors"  # vLLM 0.34.0 and later: the config's part of the key, a dict
 FACTOR_KEY = "vllm_overlay"  # the entry the overlay adds to compile_factors() (only while it changes traced code)
+
+COMPUTE_HASH = Target(MODULE, QUALNAME, "<=0.33.0")
+COMPILE_FACTORS = Target(MODULE, FACTORS, ">=0.34.0")
 
 
 def traced_settings() -> tuple[str, ...]:
@@ -49,8 +52,7 @@ def _spec() -> PatchSpec:
             "live the key is exactly stock vLLM's, so an overlay-off run shares stock's cache."
         ),
         upstream="https://github.com/vllm-project/vllm/blob/v0.20.2/vllm/compilation/backends.py",
-        targets=(Target(MODULE, QUALNAME, "<=0.33.0", wrapper="_compute_hash"),
-                 Target(MODULE, FACTORS, ">=0.34.0", wrapper="_compile_factors")),
+        targets=(COMPUTE_HASH, COMPILE_FACTORS),
         mechanism="wrap",
         support=(
             Support(">=0.20.0,<=0.33.0", "applies",
@@ -104,6 +106,7 @@ def overlay_factor() -> str:
     return hashlib.sha256("|".join([__version__, *parts, *env]).encode()).hexdigest()
 
 
+@wraps(COMPUTE_HASH)
 def _compute_hash(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     h = wrapped(*args, **kwargs)
     factor = overlay_factor()
@@ -112,6 +115,7 @@ def _compute_hash(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: di
     return hashlib.sha256(f"{h}|vllm-overlay:{factor}".encode()).hexdigest()[: len(h)]
 
 
+@wraps(COMPILE_FACTORS)
 def _compile_factors(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     factors = wrapped(*args, **kwargs)
     factor = overlay_factor()

@@ -38,7 +38,7 @@ from vllm_overlay import report, settings
 from vllm_overlay.logs import LOG
 from vllm_overlay.mechanisms.wrap import argument
 from vllm_overlay.report import STATE
-from vllm_overlay.spec import PatchSpec, Proof, Support, Target
+from vllm_overlay.spec import PatchSpec, Proof, Support, Target, why_from, wraps
 
 PATCH_ID = "decode-gemv"
 LINEAR = "vllm.model_executor.layers.linear"
@@ -60,15 +60,16 @@ LEGACY = ("UnquantizedLinearMethod.apply calls dispatch_unquantized_gemm() on ev
           "load, where that returns default_unquantized_gemm, the method's apply is replaced on the instance by one "
           "calling the overlay's op")
 
+INIT = Target(LINEAR, "UnquantizedLinearMethod.__init__", vllm=">=0.29.0")
+AFTER_LOADING = Target(LINEAR, "UnquantizedLinearMethod.process_weights_after_loading", params=("layer",))
+
 SPEC = PatchSpec(
     id=PATCH_ID,
     title="A one-row GEMV for unquantized linear layers at decode (CUDA; by default where measured: H200, 0.33.0)",
-    why=" ".join(__doc__.split("\n\n")[1:3]).replace("\n", " ").strip(),
+    why=why_from(__doc__),
     upstream="https://github.com/vllm-project/vllm/blob/v0.33.0/vllm/model_executor/layers/utils.py "
              "(default_unquantized_gemm: torch.nn.functional.linear for every unquantized layer on CUDA)",
-    targets=(Target(LINEAR, "UnquantizedLinearMethod.__init__", vllm=">=0.29.0", wrapper="_init"),
-             Target(LINEAR, "UnquantizedLinearMethod.process_weights_after_loading", wrapper="_after_loading",
-                    params=("layer",))),
+    targets=(INIT, AFTER_LOADING),
     mechanism="wrap",
     support=(
         Support("<0.22.0", "applies", LEGACY + " (as in 0.22.0-0.28.0; this row's source is not in the sweep's "
@@ -369,6 +370,7 @@ def _legacy_apply(self: Any, layer: Any, x: Any, bias: Any = None) -> Any:
 VLLM_GEMM = "_vllm_overlay_vllm_gemm"  # on an adopted method: the GEMM vLLM chose (given back for skinny plans)
 
 
+@wraps(INIT)
 def _init(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     result = wrapped(*args, **kwargs)
     if hasattr(instance, "_gemm_impl") and _adopt(instance._gemm_impl):  # vLLM >= 0.29
@@ -412,6 +414,7 @@ def adopted(instance: Any) -> bool:
     return True
 
 
+@wraps(AFTER_LOADING)
 def _after_loading(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     result = wrapped(*args, **kwargs)
     if not adopted(instance):

@@ -20,7 +20,15 @@ from vllm_overlay.patches._runner import (
     worker_rank,
 )
 from vllm_overlay.report import STATE
-from vllm_overlay.spec import PatchSpec, Proof, Support, Target
+from vllm_overlay.spec import PatchSpec, Proof, Support, Target, wraps
+
+V1_INIT = Target(V1_MODULE, f"{RUNNER_CLASS}.__init__", V1_RELEASES)
+V1_EXECUTE = Target(V1_MODULE, f"{RUNNER_CLASS}.execute_model", V1_RELEASES, params=("scheduler_output",))
+V1_DUMMY_RUN = Target(V1_MODULE, f"{RUNNER_CLASS}._dummy_run", V1_RELEASES, params=("num_tokens", "is_profile"))
+V2_INIT = Target(V2_MODULE, f"{RUNNER_CLASS}.__init__")
+V2_EXECUTE = Target(V2_MODULE, f"{RUNNER_CLASS}.execute_model", params=("scheduler_output", "dummy_run"))
+V2_DUMMY_RUN = Target(V2_MODULE, f"{RUNNER_CLASS}._dummy_run", params=("num_tokens", "is_profile"))
+WORKER_EXECUTE = Target(WORKER_MODULE, f"{WORKER}.execute_model", params=("scheduler_output",))
 
 SPEC = PatchSpec(
     id="forward-telemetry",
@@ -36,19 +44,7 @@ SPEC = PatchSpec(
         "worker built."
     ),
     upstream="https://github.com/vllm-project/vllm/blob/v0.20.2/vllm/v1/worker/gpu_model_runner.py",
-    targets=(
-        Target(V1_MODULE, f"{RUNNER_CLASS}.__init__", V1_RELEASES, wrapper="_init"),
-        Target(V1_MODULE, f"{RUNNER_CLASS}.execute_model", V1_RELEASES, wrapper="_execute_model",
-               params=("scheduler_output",)),
-        Target(V1_MODULE, f"{RUNNER_CLASS}._dummy_run", V1_RELEASES, wrapper="_dummy_run",
-               params=("num_tokens", "is_profile")),
-        Target(V2_MODULE, f"{RUNNER_CLASS}.__init__", wrapper="_init"),
-        Target(V2_MODULE, f"{RUNNER_CLASS}.execute_model", wrapper="_execute_model_v2",
-               params=("scheduler_output", "dummy_run")),
-        Target(V2_MODULE, f"{RUNNER_CLASS}._dummy_run", wrapper="_dummy_run", params=("num_tokens", "is_profile")),
-        Target(WORKER_MODULE, f"{WORKER}.execute_model", wrapper="_worker_execute_model",
-               params=("scheduler_output",)),
-    ),
+    targets=(V1_INIT, V1_EXECUTE, V1_DUMMY_RUN, V2_INIT, V2_EXECUTE, V2_DUMMY_RUN, WORKER_EXECUTE),
     mechanism="wrap",
     support=(
         Support(">=0.20.0,<=0.33.0", "applies",
@@ -120,6 +116,7 @@ def _note_runner(runner: Any) -> None:
         report.set_engine_config({"unknown": True})
 
 
+@wraps(V1_EXECUTE)
 def _execute_model(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     _runner.fired(SPEC.id, instance, "execute_model")
     sched = kwargs.get("scheduler_output", args[0] if args else None)
@@ -130,6 +127,7 @@ def _execute_model(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: d
     return wrapped(*args, **kwargs)
 
 
+@wraps(V2_EXECUTE)
 def _execute_model_v2(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Model Runner V2: its dummy forwards come here too (dummy_run=True, counted by _dummy_run),
     and its start-up warm-up runs real steps on requests named _warmup_{i}_ (counted as dummy)."""
@@ -148,6 +146,7 @@ def _execute_model_v2(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs
     return wrapped(*args, **kwargs)
 
 
+@wraps(V1_DUMMY_RUN, V2_DUMMY_RUN)
 def _dummy_run(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     _runner.fired(SPEC.id, instance, "_dummy_run")
     n = dummy_tokens(args, kwargs)
@@ -156,6 +155,7 @@ def _dummy_run(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[
     return wrapped(*args, **kwargs)
 
 
+@wraps(V1_INIT, V2_INIT)
 def _init(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     result = wrapped(*args, **kwargs)
     _runner.fired(SPEC.id, instance, "__init__")
@@ -165,8 +165,8 @@ def _init(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, 
 
 
 # every real forward of V1 and of V2 passes through the runner's execute_model
-_worker_execute_model = _runner.first_forward_check(lambda: SPEC, {"V1": ("execute_model",),
-                                                                   "V2": ("execute_model",)})
+_worker_execute_model = wraps(WORKER_EXECUTE)(
+    _runner.first_forward_check(lambda: SPEC, {"V1": ("execute_model",), "V2": ("execute_model",)}))
 
 
 def on_revert() -> None:

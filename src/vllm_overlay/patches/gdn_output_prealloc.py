@@ -44,7 +44,7 @@ from vllm_overlay.patches._runner import (
     forward_tokens,
 )
 from vllm_overlay.report import LOG, STATE
-from vllm_overlay.spec import Edit, PatchSpec, Proof, Support, Target, per_release
+from vllm_overlay.spec import Edit, PatchSpec, Proof, Support, Target, per_release, why_from, wraps
 
 ATTR = "_vllm_overlay_gdn_out"
 
@@ -148,28 +148,29 @@ REWRITES = (
 GONE = ("core_attn_out = torch.zeros(",)  # no per-forward allocation may remain after the rewrite
 REWRITES = tuple(dataclasses.replace(rw, gone=GONE) for rw in REWRITES)
 
+INIT_020 = Target(MOD_020, f"{CLS_020}.__init__", "<0.22.0")
+INIT_QWEN = Target(MOD_QWEN, f"{CLS_QWEN}.__init__", ">=0.22.0")
+V1_MODEL_FORWARD = Target(V1_MODULE, f"{RUNNER_CLASS}._model_forward", V1_RELEASES,
+                          params=("input_ids", "positions", "intermediate_tensors", "inputs_embeds"))
+V1_DUMMY_RUN = Target(V1_MODULE, f"{RUNNER_CLASS}._dummy_run", V1_RELEASES, params=("num_tokens", "is_profile"))
+V2_PREPARE_INPUTS = Target(V2_MODULE, f"{RUNNER_CLASS}.prepare_inputs", params=("scheduler_output", "batch_desc"))
+V2_DUMMY_RUN = Target(V2_MODULE, f"{RUNNER_CLASS}._dummy_run", params=("num_tokens", "is_profile"))
+V2_CAPTURE = Target(V2_MODULE, f"{RUNNER_CLASS}.capture_model")
+WORKER_EXECUTE = Target(WORKER_MODULE, f"{WORKER}.execute_model", params=("scheduler_output",))
+
 SPEC = PatchSpec(
     id="gdn-output-prealloc",
     hooks=("on_revert", "metric_families"),
     title="GDN output buffer sized by the token-budget resolver, guarded outside compiled code",
-    why=__doc__.split("\n\n")[1] + " " + __doc__.split("\n\n")[2],
+    why=why_from(__doc__),
     upstream="https://github.com/vllm-project/vllm/pull/28182 (why the buffer must be zeroed)",
     targets=(
-        Target(MOD_020, f"{CLS_020}.__init__", "<0.22.0", wrapper="_init"),
-        Target(MOD_020, f"{CLS_020}.forward_cuda", "<0.22.0"),
-        Target(MOD_QWEN, f"{CLS_QWEN}.__init__", ">=0.22.0", wrapper="_init"),
+        INIT_020,
+        Target(MOD_020, f"{CLS_020}.forward_cuda", "<0.22.0"),  # the forwards: rewritten (REWRITES)
+        INIT_QWEN,
         Target(MOD_QWEN, f"{CLS_QWEN}.forward_cuda", ">=0.22.0"),
         Target(MOD_QWEN, f"{CLS_QWEN}.forward_cpu", ">=0.22.0,<=0.33.0"),  # no CPU build of vLLM after 0.32.0
-        Target(V1_MODULE, f"{RUNNER_CLASS}._model_forward", V1_RELEASES, wrapper="_model_forward",
-               params=("input_ids", "positions", "intermediate_tensors", "inputs_embeds")),
-        Target(V1_MODULE, f"{RUNNER_CLASS}._dummy_run", V1_RELEASES, wrapper="_dummy_run",
-               params=("num_tokens", "is_profile")),
-        Target(V2_MODULE, f"{RUNNER_CLASS}.prepare_inputs", wrapper="_prepare_inputs_v2",
-               params=("scheduler_output", "batch_desc")),
-        Target(V2_MODULE, f"{RUNNER_CLASS}._dummy_run", wrapper="_dummy_run", params=("num_tokens", "is_profile")),
-        Target(V2_MODULE, f"{RUNNER_CLASS}.capture_model", wrapper="_capture_model_v2"),
-        Target(WORKER_MODULE, f"{WORKER}.execute_model", wrapper="_worker_execute_model",
-               params=("scheduler_output",)),
+        V1_MODEL_FORWARD, V1_DUMMY_RUN, V2_PREPARE_INPUTS, V2_DUMMY_RUN, V2_CAPTURE, WORKER_EXECUTE,
     ),
     mechanism="wrap+rewrite",
     support=(
@@ -390,6 +391,7 @@ def needs_buffer(layer: Any) -> bool:
     return False
 
 
+@wraps(INIT_020, INIT_QWEN)
 def _init(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     result = wrapped(*args, **kwargs)
     if needs_buffer(instance):
@@ -438,12 +440,14 @@ def _engine_of(runner: Any) -> Any:
     return getattr(runner, "vllm_config", ANY)
 
 
+@wraps(V1_MODEL_FORWARD)
 def _model_forward(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     _runner.fired(SPEC.id, instance, "_model_forward")
     check(forward_tokens(args, kwargs), "forward", _engine_of(instance))
     return wrapped(*args, **kwargs)
 
 
+@wraps(V1_DUMMY_RUN, V2_DUMMY_RUN)
 def _dummy_run(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     _runner.fired(SPEC.id, instance, "_dummy_run")
     check(dummy_tokens(args, kwargs), "profile forward" if kwargs.get("is_profile") else "dummy forward",
@@ -464,6 +468,7 @@ def v2_forward_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | No
     return max(counts) if counts else None
 
 
+@wraps(V2_PREPARE_INPUTS)
 def _prepare_inputs_v2(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     _runner.fired(SPEC.id, instance, "prepare_inputs")
     check(v2_forward_tokens(args, kwargs), "forward", _engine_of(instance))
@@ -478,6 +483,7 @@ def capture_sizes(runner: Any) -> list[int]:
     return [int(n) for n in (getattr(cc, "cudagraph_capture_sizes", None) or [])]
 
 
+@wraps(V2_CAPTURE)
 def _capture_model_v2(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """V2 captures its graphs without _dummy_run: the largest capture size is checked first."""
     _runner.fired(SPEC.id, instance, "capture_model")
@@ -488,8 +494,8 @@ def _capture_model_v2(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs
 
 
 # every real forward passes through V1's _model_forward and V2's prepare_inputs
-_worker_execute_model = _runner.first_forward_check(lambda: SPEC, {"V1": ("_model_forward",),
-                                                                   "V2": ("prepare_inputs",)})
+_worker_execute_model = wraps(WORKER_EXECUTE)(
+    _runner.first_forward_check(lambda: SPEC, {"V1": ("_model_forward",), "V2": ("prepare_inputs",)}))
 
 
 def on_revert() -> None:

@@ -30,7 +30,7 @@ from typing import Any
 
 from vllm_overlay import settings
 from vllm_overlay.report import LOG, STATE
-from vllm_overlay.spec import Edit, PatchSpec, Proof, Support, Target, per_release
+from vllm_overlay.spec import Edit, PatchSpec, Proof, Support, Target, per_release, why_from
 
 ARGS_MODULE = "vllm.engine.arg_utils"
 PLATFORM_MODULE = "vllm.platforms.interface"
@@ -96,7 +96,7 @@ REWRITES = (
 SPEC = PatchSpec(
     id="hybrid-turboquant",
     title="TurboQuant KV cache on hybrid GDN + attention models (vLLM 0.20.x)",
-    why=" ".join(__doc__.split("\n\n")[1:3]),
+    why=why_from(__doc__),
     upstream="https://github.com/vllm-project/vllm/pull/39931",
     targets=(
         Target(ARGS_MODULE, "EngineArgs.create_engine_config", "<0.22.0"),

@@ -39,7 +39,7 @@ from vllm_overlay.patches._memory_meters import MeterUnavailable, RssMeter, mete
 from vllm_overlay.patches._memory_watch import MARK_FILE, Watch
 from vllm_overlay.patches._runner import RUNNER, RUNNER_MODULE, RUNNER_MODULES, V1_RELEASES, V2_MODULE, kind
 from vllm_overlay.report import LOG, STATE
-from vllm_overlay.spec import PatchSpec, Proof, Support, Target
+from vllm_overlay.spec import PatchSpec, Proof, Support, Target, why_from, wraps
 
 PATCH_ID = "memory-headroom"
 WORKER_MODULE = "vllm.v1.worker.gpu_worker"
@@ -106,27 +106,25 @@ _TORCH_PEAK = Proof(WORKER_PATH, "profile_torch_peak = torch.accelerator.memory_
 _TRANSIENT = Proof("utils/mem_utils.py", "result.transient_peak_headroom = (")
 _V2_BY_ARCHITECTURE = Proof("config/vllm.py", "def _is_default_v2_model_runner_model")
 
+AVAILABLE = Target(WORKER_MODULE, "Worker.determine_available_memory", platform="cuda")
+CPU_AVAILABLE = Target(CPU_WORKER_MODULE, "CPUWorker.determine_available_memory", platform="cpu")
+V1_PROFILE_RUN = Target(RUNNER_MODULE, f"{RUNNER}.profile_run", V1_RELEASES)
+V1_INIT_KV_CACHE = Target(RUNNER_MODULE, f"{RUNNER}.initialize_kv_cache", V1_RELEASES,
+                          params=("kv_cache_config", "is_profiling"))
+# Model Runner V2 (its CPU build's class inherits these)
+V2_PROFILE_RUN = Target(V2_MODULE, f"{RUNNER}.profile_run", V2_RELEASES)
+V2_INIT_KV_CACHE = Target(V2_MODULE, f"{RUNNER}.initialize_kv_cache", V2_RELEASES,
+                          params=("kv_cache_config", "is_profiling"))
+
 SPEC = PatchSpec(
     id=PATCH_ID,
     hooks=("on_revert",),
     idle_by=("headroom_not_corrected",),  # applied, but it measured and moved nothing in that process
     title="Activation memory measured at max_num_batched_tokens, taken from the KV cache before it is sized",
-    why=" ".join(__doc__.split("\n\n")[1:3]).replace("\n", " "),
+    why=why_from(__doc__),
     upstream="https://github.com/vllm-project/vllm/issues/52872 (fix PR 52935 open), "
              "https://github.com/vllm-project/vllm/issues/54775",
-    targets=(
-        Target(WORKER_MODULE, "Worker.determine_available_memory", wrapper="_determine_available_memory",
-               platform="cuda"),
-        Target(CPU_WORKER_MODULE, "CPUWorker.determine_available_memory", wrapper="_determine_available_memory",
-               platform="cpu"),
-        Target(RUNNER_MODULE, f"{RUNNER}.profile_run", V1_RELEASES, wrapper="_profile_run"),
-        Target(RUNNER_MODULE, f"{RUNNER}.initialize_kv_cache", V1_RELEASES, wrapper="_initialize_kv_cache",
-               params=("kv_cache_config", "is_profiling")),
-        # Model Runner V2 (its CPU build's class inherits these)
-        Target(V2_MODULE, f"{RUNNER}.profile_run", V2_RELEASES, wrapper="_profile_run"),
-        Target(V2_MODULE, f"{RUNNER}.initialize_kv_cache", V2_RELEASES, wrapper="_initialize_kv_cache",
-               params=("kv_cache_config", "is_profiling")),
-    ),
+    targets=(AVAILABLE, CPU_AVAILABLE, V1_PROFILE_RUN, V1_INIT_KV_CACHE, V2_PROFILE_RUN, V2_INIT_KV_CACHE),
     mechanism="wrap",
     support=(
         Support("<=0.20.2", "applies",
@@ -216,6 +214,7 @@ def _renew_after_fork() -> None:
 os.register_at_fork(after_in_child=_renew_after_fork)
 
 
+@wraps(V1_PROFILE_RUN, V2_PROFILE_RUN)
 def _profile_run(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Record the bytes in use when vLLM's profiling forward starts and its peak when it returns
     (vLLM resets the peak just before; CUDA reads the same allocator statistic vLLM reads)."""
@@ -237,6 +236,7 @@ def _profile_run(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dic
 # ---- the correction ---------------------------------------------------------------------------
 
 
+@wraps(AVAILABLE, CPU_AVAILABLE)
 def _determine_available_memory(wrapped: Any, instance: Any, args: tuple[Any, ...],
                                 kwargs: dict[str, Any]) -> Any:
     available = wrapped(*args, **kwargs)
@@ -374,6 +374,7 @@ def correct(worker: Any, available: int) -> int:
 _watches: weakref.WeakKeyDictionary[Any, Watch] = weakref.WeakKeyDictionary()  # runner -> its watch
 
 
+@wraps(V1_INIT_KV_CACHE, V2_INIT_KV_CACHE)
 def _initialize_kv_cache(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """After the real KV cache is allocated (not vLLM's temporary profiling one), start the watch
     of a runner whose KV budget was measured."""

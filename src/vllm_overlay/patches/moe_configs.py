@@ -27,7 +27,7 @@ from typing import Any
 from vllm_overlay import report, settings
 from vllm_overlay.logs import LOG
 from vllm_overlay.report import STATE
-from vllm_overlay.spec import PatchSpec, Proof, Support, Target
+from vllm_overlay.spec import PatchSpec, Proof, Support, Target, why_from, wraps
 
 FUSED_MOE = "vllm.model_executor.layers.fused_moe.fused_moe"
 PATCH_ID = "moe-configs"
@@ -36,17 +36,18 @@ CONFIG_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "
 
 FM_PATH = "model_executor/layers/fused_moe/fused_moe.py"
 
+GET_CONFIGS = Target(FUSED_MOE, "get_moe_configs", "<=0.33.0", params=("E", "N", "dtype", "block_n", "block_k"))
+GET_CONFIGS_DOWN = Target(FUSED_MOE, "get_moe_configs", ">=0.34.0",
+                          params=("E", "N", "dtype", "block_n", "block_k", "down_moe"))
+
 SPEC = PatchSpec(
     id=PATCH_ID,
     hooks=("on_revert",),
     title="Tuned fused-MoE configs for the hybrid MoE shapes, for the exact device only",
-    why=" ".join(__doc__.split("\n\n")[1:3]).replace("\n", " ").strip(),
+    why=why_from(__doc__),
     upstream="https://github.com/vllm-project/vllm/blob/v0.20.2/vllm/model_executor/layers/fused_moe/fused_moe.py "
              "(get_moe_configs; configs/ holds no E=256,N=512 bf16 file for the H200)",
-    targets=(Target(FUSED_MOE, "get_moe_configs", "<=0.33.0", wrapper="_get_moe_configs",
-                    params=("E", "N", "dtype", "block_n", "block_k")),
-             Target(FUSED_MOE, "get_moe_configs", ">=0.34.0", wrapper="_get_moe_configs",
-                    params=("E", "N", "dtype", "block_n", "block_k", "down_moe"))),
+    targets=(GET_CONFIGS, GET_CONFIGS_DOWN),
     mechanism="wrap",
     support=(
         Support(">=0.20.0,<=0.33.0", "applies",
@@ -227,6 +228,7 @@ def decide(module: ModuleType, E: int, N: int, dtype: str | None,  # noqa: N803
     return key, None, "vLLM default"
 
 
+@wraps(GET_CONFIGS, GET_CONFIGS_DOWN)
 def _get_moe_configs(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     try:
         E, N, dtype, block_n, block_k, down_moe = _args(args, kwargs)  # noqa: N806

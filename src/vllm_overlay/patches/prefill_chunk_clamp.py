@@ -6,7 +6,7 @@ from typing import Any
 
 from vllm_overlay import settings
 from vllm_overlay.report import LOG, STATE
-from vllm_overlay.spec import PatchSpec, Proof, Support, Target
+from vllm_overlay.spec import PatchSpec, Proof, Support, Target, wraps
 
 MODULE = "vllm.v1.core.sched.scheduler"
 QUALNAME = "Scheduler.__init__"
@@ -23,6 +23,8 @@ BOUNDS_SHARED = (
     "not a forward's total"
 )
 
+SCHEDULER_INIT = Target(MODULE, QUALNAME)
+
 SPEC = PatchSpec(
     id="prefill-chunk-clamp",
     title="Clamp one request's prefill chunk (long_prefill_token_threshold)",
@@ -36,7 +38,7 @@ SPEC = PatchSpec(
         "prefill on, a decoder-only model, not pooling) and says so when it stands aside."
     ),
     upstream="https://github.com/vllm-project/vllm/blob/v0.20.2/vllm/v1/core/sched/scheduler.py",
-    targets=(Target(MODULE, QUALNAME, wrapper="_init"),),
+    targets=(SCHEDULER_INIT,),
     mechanism="wrap",
     support=(
         Support("<0.31.0", "applies", BOUNDS_EVERY,
@@ -71,6 +73,7 @@ def stands_aside(scheduler: Any) -> str | None:
     return None
 
 
+@wraps(SCHEDULER_INIT)
 def _init(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     result = wrapped(*args, **kwargs)
     clamp = int(settings.value("VLLM_OVERLAY_PREFILL_CHUNK_CLAMP"))

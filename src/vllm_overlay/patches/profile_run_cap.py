@@ -20,7 +20,16 @@ from vllm_overlay.patches._runner import (
     dummy_tokens,
 )
 from vllm_overlay.report import LOG, STATE
-from vllm_overlay.spec import PatchSpec, Proof, Support, Target
+from vllm_overlay.spec import PatchSpec, Proof, Support, Target, wraps
+
+V1_DUMMY_RUN = Target(V1_MODULE, f"{RUNNER_CLASS}._dummy_run", V1_RELEASES,
+                      params=("num_tokens", "is_profile", "skip_eplb", "remove_lora"))
+V1_CAPTURE = Target(V1_MODULE, f"{RUNNER_CLASS}.capture_model", V1_RELEASES)
+# Model Runner V2: _dummy_run takes remove_lora in **kwargs (and ignores it)
+V2_DUMMY_RUN = Target(V2_MODULE, f"{RUNNER_CLASS}._dummy_run", params=("num_tokens", "is_profile", "skip_eplb"))
+V2_CAPTURE = Target(V2_MODULE, f"{RUNNER_CLASS}.capture_model", "<0.30.0")
+V2_CAPTURE_PROFILE_ONLY = Target(V2_MODULE, f"{RUNNER_CLASS}.capture_model", ">=0.30.0", params=("profile_only",))
+WORKER_EXECUTE = Target(WORKER_MODULE, f"{WORKER}.execute_model", params=("scheduler_output",))
 
 SPEC = PatchSpec(
     id="profile-run-cap",
@@ -43,19 +52,7 @@ SPEC = PatchSpec(
         "its capture_model(profile_only=True), which only measures graph memory, gets no forward."
     ),
     upstream="https://github.com/vllm-project/vllm/blob/v0.20.2/vllm/v1/worker/gpu_model_runner.py (profile_run)",
-    targets=(
-        Target(V1_MODULE, f"{RUNNER_CLASS}._dummy_run", V1_RELEASES, wrapper="_dummy_run",
-               params=("num_tokens", "is_profile", "skip_eplb", "remove_lora")),
-        Target(V1_MODULE, f"{RUNNER_CLASS}.capture_model", V1_RELEASES, wrapper="_capture_model"),
-        # Model Runner V2: _dummy_run takes remove_lora in **kwargs (and ignores it)
-        Target(V2_MODULE, f"{RUNNER_CLASS}._dummy_run", wrapper="_dummy_run",
-               params=("num_tokens", "is_profile", "skip_eplb")),
-        Target(V2_MODULE, f"{RUNNER_CLASS}.capture_model", "<0.30.0", wrapper="_capture_model"),
-        Target(V2_MODULE, f"{RUNNER_CLASS}.capture_model", ">=0.30.0", wrapper="_capture_model",
-               params=("profile_only",)),
-        Target(WORKER_MODULE, f"{WORKER}.execute_model", wrapper="_worker_execute_model",
-               params=("scheduler_output",)),
-    ),
+    targets=(V1_DUMMY_RUN, V1_CAPTURE, V2_DUMMY_RUN, V2_CAPTURE, V2_CAPTURE_PROFILE_ONLY, WORKER_EXECUTE),
     mechanism="wrap",
     support=(
         Support("<0.30.0", "applies",
@@ -104,6 +101,7 @@ SPEC = PatchSpec(
 _capped: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()  # runner -> uncapped tokens
 
 
+@wraps(V1_DUMMY_RUN, V2_DUMMY_RUN)
 def _dummy_run(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     _runner.fired(SPEC.id, instance, "_dummy_run")
     if not kwargs.get("is_profile") or _runner.in_measurement():  # memory-headroom's forwards run whole
@@ -174,6 +172,7 @@ def _no_capture(n: int, cap: int, why: str) -> None:
     STATE.event(msg)
 
 
+@wraps(V1_CAPTURE, V2_CAPTURE, V2_CAPTURE_PROFILE_ONLY)
 def _capture_model(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     _runner.fired(SPEC.id, instance, "capture_model")
     if kwargs.get("profile_only"):  # Model Runner V2 0.30.0+: graph memory measured during profiling
@@ -197,7 +196,7 @@ def _capture_model(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: d
 
 
 # no runner hook of the cap is on every forward's path: each must be the method the runner calls
-_worker_execute_model = _runner.first_forward_check(lambda: SPEC, {})
+_worker_execute_model = wraps(WORKER_EXECUTE)(_runner.first_forward_check(lambda: SPEC, {}))
 
 
 def on_revert() -> None:

@@ -6,12 +6,14 @@ from typing import Any
 
 from vllm_overlay import metrics
 from vllm_overlay.logs import LOG
-from vllm_overlay.spec import PatchSpec, Proof, Support, Target
+from vllm_overlay.spec import PatchSpec, Proof, Support, Target, wraps
 
 TRIGGER = "prometheus_client"  # imported by every vLLM process, so the patch never stays armed
 MULTIPROC_MODULE = "prometheus_client.multiprocess"
 MULTIPROC_INIT = "multiprocess.MultiProcessCollector.__init__"  # from TRIGGER; prepare() imports it
 VLLM_USES = "from prometheus_client import REGISTRY, CollectorRegistry, multiprocess"
+
+COLLECTOR_INIT = Target(TRIGGER, MULTIPROC_INIT)
 
 SPEC = PatchSpec(
     id="prometheus-metrics",
@@ -34,7 +36,7 @@ SPEC = PatchSpec(
     # Not a vLLM module: prometheus_client, which vLLM's /metrics serves through. prepare() adds the
     # collector to the default REGISTRY (on_revert() takes it off); the wrap adds it to every
     # registry a MultiProcessCollector is built for.
-    targets=(Target(TRIGGER, MULTIPROC_INIT, wrapper="_multiproc_init"),),
+    targets=(COLLECTOR_INIT,),
     mechanism="wrap",
     support=(
         Support(">=0.20.0,<=0.34.0", "applies",
@@ -59,6 +61,7 @@ def _attach(registry: Any) -> None:
                     registry, type(exc).__name__, exc)
 
 
+@wraps(COLLECTOR_INIT)
 def _multiproc_init(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     result = wrapped(*args, **kwargs)
     registry = kwargs.get("registry", args[0] if args else None)

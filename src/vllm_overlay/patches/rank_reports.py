@@ -32,7 +32,7 @@ import weakref
 from typing import Any
 
 from vllm_overlay.report import LOG, STATE
-from vllm_overlay.spec import PatchSpec, Proof, Support, Target
+from vllm_overlay.spec import PatchSpec, Proof, Support, Target, wraps
 
 MODULE = "vllm.v1.engine.core"
 CORE = "EngineCore"
@@ -42,6 +42,12 @@ WRAPPER = "WorkerWrapperBase"
 WRAPPER_METHOD = "initialize_from_config"
 GATHER_EVERY_S = 1.0  # while the engine steps: one round trip to the ranks per second at most
 GATHER_TIMEOUT_S = 10.0
+
+CORE_INIT = Target(MODULE, f"{CORE}.__init__")
+STEP = Target(MODULE, f"{CORE}.step")
+STEP_WITH_BATCH_QUEUE = Target(MODULE, f"{CORE}.step_with_batch_queue")
+# in a worker (which never imports the engine core's module): the executor rank it answers for
+WORKER_READY = Target(WORKER_BASE_MODULE, f"{WRAPPER}.{WRAPPER_METHOD}", params=("kv_cache_configs",))
 
 SPEC = PatchSpec(
     id="rank-reports",
@@ -58,14 +64,7 @@ SPEC = PatchSpec(
         "missing with its rank and why."
     ),
     upstream="https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/v1/executor/abstract.py",
-    targets=(
-        Target(MODULE, f"{CORE}.__init__", wrapper="_init"),
-        Target(MODULE, f"{CORE}.step", wrapper="_step"),
-        Target(MODULE, f"{CORE}.step_with_batch_queue", wrapper="_step"),
-        # in a worker (which never imports the engine core's module): the executor rank it answers for
-        Target(WORKER_BASE_MODULE, f"{WRAPPER}.{WRAPPER_METHOD}", wrapper="_wrapper_ready",
-               params=("kv_cache_configs",)),
-    ),
+    targets=(CORE_INIT, STEP, STEP_WITH_BATCH_QUEUE, WORKER_READY),
     mechanism="wrap",
     support=(
         Support(">=0.20.0,<=0.34.0", "applies",
@@ -125,6 +124,7 @@ def answer(rank: int | None) -> dict[str, Any]:
     return {"rank": rank, "report": STATE.to_json()}
 
 
+@wraps(WORKER_READY)
 def _wrapper_ready(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Note the executor rank (rpc_rank) of each worker wrapper of this process once vLLM hands it
     its KV-cache config: the rank this report answers the engine core's gather for."""
@@ -216,12 +216,14 @@ def _warn_missing(missing: dict[int, str]) -> None:
                     "; ".join(f"rank {r}: {w}" for r, w in sorted(new.items())))
 
 
+@wraps(CORE_INIT)
 def _init(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     result = wrapped(*args, **kwargs)
     gather(instance)
     return result
 
 
+@wraps(STEP, STEP_WITH_BATCH_QUEUE)
 def _step(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     result = wrapped(*args, **kwargs)
     g = _state_of(instance)

@@ -32,7 +32,7 @@ from typing import Any
 
 from vllm_overlay.mechanisms import wrap
 from vllm_overlay.report import LOG, STATE
-from vllm_overlay.spec import PatchSpec, Proof, Support, Target
+from vllm_overlay.spec import PatchSpec, Proof, Support, Target, why_from, wraps
 
 MODULE = "vllm.v1.attention.backends.turboquant_attn"
 METHOD = "TurboQuantAttentionImpl._prefill_attention"
@@ -49,13 +49,15 @@ _COMMON = (
     Proof(TQ_ATTN, "max_seq_len: int = 0"),  # ... with this field set
 )
 
+PREFILL_ATTENTION = Target(MODULE, METHOD, params=("attn_metadata",))
+
 SPEC = PatchSpec(
     id="turboquant-prefill-continuation",
     hooks=("on_revert",),
     title="TurboQuant prefill batches with cached context never take the no-cache fast path",
-    why=" ".join(" ".join(__doc__.split("\n\n")[1:3]).split()),
+    why=why_from(__doc__),
     upstream="https://github.com/vllm-project/vllm/issues/46460",
-    targets=(Target(MODULE, METHOD, wrapper="_prefill_attention", params=("attn_metadata",)),),
+    targets=(PREFILL_ATTENTION,),
     mechanism="wrap",
     support=(
         Support(">=0.20.0,<=0.20.2", "applies",
@@ -103,6 +105,7 @@ def _lengths(meta: Any) -> tuple[list[int], list[int]] | None:
     return [b - a for a, b in zip(starts, starts[1:])], [int(x) for x in seq.tolist()]
 
 
+@wraps(PREFILL_ATTENTION)
 def _prefill_attention(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     meta = wrap.argument(_ARGS, "attn_metadata", args, kwargs)
     if meta is None or meta.max_query_len != meta.max_seq_len:

@@ -51,7 +51,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from vllm_overlay.report import LOG, STATE
-from vllm_overlay.spec import PatchSpec, Proof, Support, Target
+from vllm_overlay.spec import PatchSpec, Proof, Support, Target, why_from, wraps
 
 MODULE = "vllm.v1.attention.backends.turboquant_attn"
 BUILD = "TurboQuantMetadataBuilder.build"
@@ -101,18 +101,17 @@ _CPU_COPIES = (
     Proof(TQ_ATTN, "seq_lens_cpu=attn_metadata.seq_lens_cpu[num_decodes:]"),
 )
 
+BUILD_METADATA = Target(MODULE, BUILD, params=("common_attn_metadata",))
+FORWARD_SLOT_MAJOR = Target(MODULE, FORWARD, f"<{HEAD_MAJOR_FROM}", params=_FORWARD_PARAMS)
+FORWARD_HEAD_MAJOR = Target(MODULE, FORWARD, f">={HEAD_MAJOR_FROM}", params=_FORWARD_PARAMS)
+
 SPEC = PatchSpec(
     id="turboquant-spec-decode",
     title="Speculative-decoding verify batches as decode on a TurboQuant KV cache",
-    why=" ".join(" ".join(__doc__.split("\n\n")[1:3]).split()),
+    why=why_from(__doc__),
     upstream=("https://github.com/vllm-project/vllm/blob/v0.33.0/"
               "vllm/v1/attention/backends/turboquant_attn.py"),
-    targets=(
-        Target(MODULE, BUILD, wrapper="_build", params=("common_attn_metadata",)),
-        Target(MODULE, FORWARD, f"<{HEAD_MAJOR_FROM}", wrapper="_forward", params=_FORWARD_PARAMS),
-        Target(MODULE, FORWARD, f">={HEAD_MAJOR_FROM}", wrapper="_forward_head_major",
-               params=_FORWARD_PARAMS),
-    ),
+    targets=(BUILD_METADATA, FORWARD_SLOT_MAJOR, FORWARD_HEAD_MAJOR),
     mechanism="wrap",
     support=(
         Support(">=0.20.0,<=0.20.2", "applies",
@@ -223,6 +222,7 @@ def _num_speculative_tokens(builder: Any) -> int | None:
 # ---- wrappers -----------------------------------------------------------------------------------
 
 
+@wraps(BUILD_METADATA)
 def _build(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     meta = wrapped(*args, **kwargs)
     k = _num_speculative_tokens(instance)
@@ -279,11 +279,13 @@ def _exact_seq_lens(builder: Any, cam: Any, meta: Any, k: int, lens: list[int] |
         STATE.event(msg)
 
 
+@wraps(FORWARD_SLOT_MAJOR)
 def _forward(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """TurboQuantAttentionImpl.forward up to 0.25.1: kv_cache is (num_blocks, block_size, heads, slot)."""
     return _route(wrapped, instance, args, kwargs, head_major=False)
 
 
+@wraps(FORWARD_HEAD_MAJOR)
 def _forward_head_major(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """TurboQuantAttentionImpl.forward from 0.26.0: kv_cache is (num_blocks, heads, block_size, slot),
     which vLLM's forward transposes to (num_blocks, block_size, heads, slot) for its kernels."""

@@ -31,7 +31,7 @@ from typing import Any
 
 from vllm_overlay.mechanisms import wrap
 from vllm_overlay.report import LOG, STATE
-from vllm_overlay.spec import PatchSpec, Proof, Support, Target
+from vllm_overlay.spec import PatchSpec, Proof, Support, Target, why_from, wraps
 
 RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 RESHAPE = "GPUModelRunner._reshape_kv_cache_tensors"
@@ -47,16 +47,16 @@ TQ_PREFIX = "turboquant_"
 APPLIES = ">=0.25.0,<=0.26.0"
 _AUTO_BRANCH = '"auto"\n                        if kv_cache_spec.kv_quant_mode == KVQuantMode.NONE'
 
+RESHAPE_KV = Target(RUNNER_MODULE, RESHAPE, vllm=APPLIES)
+KV_CACHE_SHAPE = Target(BACKEND_MODULE, SHAPE, vllm=APPLIES, params=("cache_dtype_str",))
+
 SPEC = PatchSpec(
     id="turboquant-v1-kv-shape",
     hooks=("on_revert",),
     title="TurboQuant KV caches keep their dtype in the V1 runner's KV-cache reshape (TurboQuant boots on V1)",
-    why=" ".join(" ".join(__doc__.split("\n\n")[1:3]).split()),
+    why=why_from(__doc__),
     upstream="https://github.com/vllm-project/vllm/issues/50709",
-    targets=(
-        Target(RUNNER_MODULE, RESHAPE, vllm=APPLIES, wrapper="_reshape"),
-        Target(BACKEND_MODULE, SHAPE, vllm=APPLIES, wrapper="_kv_cache_shape", params=("cache_dtype_str",)),
-    ),
+    targets=(RESHAPE_KV, KV_CACHE_SHAPE),
     mechanism="wrap",
     support=(
         Support(">=0.20.0,<=0.24.0", "not-needed",
@@ -106,6 +106,7 @@ _SCOPE = threading.local()  # the configured cache dtype while V1's reshape runs
 _FIRST = threading.Event()
 
 
+@wraps(RESHAPE_KV)
 def _reshape(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     cache_config = getattr(instance, "cache_config", None)
     dtype = getattr(cache_config, "cache_dtype", None)
@@ -125,6 +126,7 @@ def substitute(passed: Any, configured: str | None) -> str | None:
     return configured
 
 
+@wraps(KV_CACHE_SHAPE)
 def _kv_cache_shape(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     # not passed: vLLM's default ("turboquant_4bit_nc"), never what V1's reshape sends
     passed = wrap.argument(_SHAPE_ARGS, "cache_dtype_str", args, kwargs)

@@ -140,7 +140,7 @@ def _target_line(spec: PatchSpec, t: object) -> str:
                  and t.applies_to(rw.version)]  # type: ignore[attr-defined]
     how = []
     if t.wrapper:  # type: ignore[attr-defined]
-        how.append(f"wrapped (`{t.wrapper}`)")  # type: ignore[attr-defined]
+        how.append(f"wrapped (`{t.wrapper_name}`)")  # type: ignore[attr-defined]
     if rewritten:
         how.append(f"rewritten in memory on {versions.compact(rewritten)} (pristine hash and anchors checked)")
     where = [f"vLLM `{t.vllm}`" if t.vllm else "every release it applies on"]  # type: ignore[attr-defined]

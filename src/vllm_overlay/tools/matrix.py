@@ -77,7 +77,7 @@ def _check_target(version: str, spec: PatchSpec, t, read: Reader) -> Check:  # t
     missing = [p for p in t.params if p not in found.params]
     if missing:
         return Check(version, spec.id, "target", str(t), False,
-                     f"defined at {where} but without parameter(s) {', '.join(missing)} that {t.wrapper} reads")
+                     f"defined at {where} but without parameter(s) {', '.join(missing)} that {t.wrapper_name} reads")
     return Check(version, spec.id, "target", str(t), True, f"defined at {where}")
 
 

@@ -27,16 +27,17 @@ def main() -> int:
     ap.add_argument("--mp-child", action="store_true", help="also start one multiprocessing (spawn) child")
     args = ap.parse_args()
     from vllm_overlay import core, flush
-    from vllm_overlay.report import STATE
+    from vllm_overlay.patches.forward_telemetry import ENGINE_CONFIG
+    from vllm_overlay.telemetry import TELEMETRY
 
     core.register()
     for item in args.forward:
         size, count = (int(x) for x in item.split(":"))
         for _ in range(count):
-            STATE.record_forward(size)
+            TELEMETRY.record(size)
     for item in args.engine_config:
         key, value = item.split("=")
-        STATE.engine_config[key] = int(value)
+        ENGINE_CONFIG.note(**{key: int(value)})
     path = flush()
     result = {"pid": os.getpid(), "server_id": os.environ.get("VLLM_OVERLAY_SERVER_ID"), "report": path,
               "children": []}

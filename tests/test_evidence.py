@@ -8,6 +8,7 @@ import pytest
 from vllm_overlay import budget
 from vllm_overlay.errors import CapacityError
 from vllm_overlay.patches import gdn_output_prealloc as gdn
+from vllm_overlay.patches._gdn_buffers import BUFFERS
 from vllm_overlay.report import STATE
 
 
@@ -53,11 +54,11 @@ def test_buffer_is_freed_with_its_layers(pool) -> None:  # type: ignore[no-untyp
     layers = [_layer(), _layer()]
     for layer in layers:
         gdn._attach(layer)
-    assert gdn.capacity() == 64 and STATE.buffers[0]["layers"] == 2
-    assert STATE.buffers[0]["dtype_source"] == "torch default dtype"
+    assert gdn.capacity() == 64 and BUFFERS[0]["layers"] == 2
+    assert BUFFERS[0]["dtype_source"] == "torch default dtype"
     del layers, layer
     gc.collect()
-    assert gdn.capacity() is None and STATE.buffers[0]["freed"] is True
+    assert gdn.capacity() is None and BUFFERS[0]["freed"] is True
 
 
 def test_rewritten_allocation_falls_back_to_stock_without_a_buffer() -> None:

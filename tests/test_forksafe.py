@@ -19,6 +19,7 @@ from vllm_overlay import budget, core, report
 from vllm_overlay.mechanisms import wrap as wrapmech
 from vllm_overlay.patches import gdn_output_prealloc as gdn
 from vllm_overlay.report import STATE
+from vllm_overlay.telemetry import TELEMETRY
 
 
 @pytest.fixture
@@ -102,10 +103,10 @@ def test_child_has_its_own_budget_cache_and_marks_inherited_entries(state, monke
     STATE.count("guard_checks", 5)
 
     def child() -> dict:
-        before = [dict(b) for b in STATE.budgets]
+        before = [dict(b) for b in budget.BUDGETS.items]
         budget.resolve("gdn-output", vllm_config=cfg)  # resolved again here: recorded again
         return {"forked_from": STATE.forked_from, "pid": STATE.pid, "before": before,
-                "after": STATE.budgets, "guard_checks": STATE.counters["guard_checks"]}
+                "after": budget.BUDGETS.items, "guard_checks": STATE.counters["guard_checks"]}
 
     out = _in_child(child)
     assert out["forked_from"] == parent and out["pid"] != parent
@@ -113,7 +114,7 @@ def test_child_has_its_own_budget_cache_and_marks_inherited_entries(state, monke
     assert out["before"][0]["value"] == 3000
     assert len(out["after"]) == 2 and "inherited_from" not in out["after"][1]
     assert out["guard_checks"] == 0  # the child's counters are its own
-    assert len(STATE.budgets) == 1 and "inherited_from" not in STATE.budgets[0]
+    assert len(budget.BUDGETS) == 1 and "inherited_from" not in budget.BUDGETS[0]
 
 
 def test_report_is_a_snapshot_under_the_lock(state) -> None:  # type: ignore[no-untyped-def]
@@ -131,7 +132,7 @@ def test_report_is_a_snapshot_under_the_lock(state) -> None:  # type: ignore[no-
             STATE.set_patch(f"p{i % 500}", "applied", detail=i)
             STATE.count(f"c{i % 500}")
             STATE.event(f"e{i}")
-            STATE.record_forward(i % 9000 + 1)
+            TELEMETRY.record(i % 9000 + 1)
 
     t = threading.Thread(target=updater)
     t.start()

@@ -11,6 +11,8 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
+from typing import Any
 
 import pytest
 
@@ -111,35 +113,64 @@ def test_no_patch_imports_core() -> None:
 MUTATORS = ("append", "extend", "update", "setdefault", "pop", "clear", "insert", "remove")
 
 
-def state_writes(path: str) -> list[tuple[int, str]]:
-    """(line, what) for every write of a field of report.STATE the file makes: an assignment to
-    ``STATE.x`` or into it (``STATE.x[k] = v``, ``STATE.x += 1``), or a mutating call on it
-    (``STATE.x.append(...)``). STATE's own methods (``STATE.count(...)``) are not writes."""
-    def field(node: ast.AST) -> str | None:  # the STATE field an expression reaches into
-        while isinstance(node, (ast.Subscript, ast.Attribute)):
-            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "STATE":
-                return node.attr
-            node = node.value
-        return None
-
+def _writes(tree: ast.AST, reaches: Any) -> list[tuple[int, str]]:
+    """(line, what) for every write ``reaches`` names: an assignment to a field or into it
+    (``X.f = v``, ``X.f[k] = v``, ``X.f += 1``) or a mutating call on it (``X.f.append(...)``);
+    ``reaches(node)`` gives the name of the field an expression reaches into, or None."""
     out: list[tuple[int, str]] = []
-    for node in ast.walk(ast.parse(open(path).read(), path)):
+    for node in ast.walk(tree):
         targets = (node.targets if isinstance(node, ast.Assign)
                    else [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
-        out += [(node.lineno, f"assigns STATE.{name}") for t in targets if (name := field(t))]
+        out += [(node.lineno, f"assigns {name}") for t in targets if (name := reaches(t))]
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS
-                and (name := field(node.func.value))):
-            out.append((node.lineno, f"STATE.{name}.{node.func.attr}(...)"))
+                and (name := reaches(node.func.value))):
+            out.append((node.lineno, f"{name}.{node.func.attr}(...)"))
     return sorted(out)
 
 
+def state_writes(path: str, names: frozenset[str] = frozenset({"STATE"})) -> list[tuple[int, str]]:
+    """(line, what) for every write of a field of report.STATE, or of a report section (``names``: the
+    module-level names the sections are bound to, ``BUFFERS = report.section(...)``), that the file
+    makes, whether it names the object (``STATE.x``) or its module (``_gdn_buffers.BUFFERS.items``).
+    Their own methods (``STATE.count(...)``, ``BUFFERS.add(...)``) are not writes."""
+    def field(node: ast.AST) -> str | None:  # the field of a named object an expression reaches into
+        while isinstance(node, (ast.Subscript, ast.Attribute)):
+            if isinstance(node, ast.Attribute):
+                owner = node.value
+                if isinstance(owner, ast.Name) and owner.id in names:
+                    return f"{owner.id}.{node.attr}"
+                if isinstance(owner, ast.Attribute) and owner.attr in names:
+                    return f"{owner.attr}.{node.attr}"
+            node = node.value
+        return None
+
+    return _writes(ast.parse(open(path).read(), path), field)
+
+
+def section_names() -> frozenset[str]:
+    """The module-level names every runtime file binds a report section to (``X = report.section(...)``)."""
+    out = set()
+    for path in runtime_files():
+        for node in ast.parse(open(path).read(), path).body:
+            if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+                    and ast.unparse(node.value.func) in ("report.section", "section")):
+                out.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    return frozenset(out)
+
+
 def test_patches_write_the_report_only_through_its_helpers() -> None:
-    """A patch changes its entry and the process's fields of the report through report.py's helpers
-    (patch_note, patch_put, add_buffer, set_engine_config, ...) and STATE's methods, never by writing a
-    field of STATE itself: the report's JSON is built in one place."""
+    """A patch, and every module that owns a section of the report, changes the report through
+    report.py's helpers (patch_note, patch_put, ...), STATE's methods and the sections' methods
+    (BUFFERS.add, ENGINE_CONFIG.replace, TELEMETRY.record, ...), never by writing a field of STATE or
+    of a section itself: the lock is held and the flusher told in one place."""
+    from vllm_overlay import report
+
+    names = section_names() | {"STATE"}
+    assert {"BUDGETS", "BUFFERS", "ENGINE_CONFIG", "RUNNER_REPORT", "RANKS", "TELEMETRY"} <= names
+    owners = {os.path.join(SRC, *m.split(".")) + ".py" for m in report.SECTIONS.values()}
     patches = os.path.join(PKG, "patches")
     bad = [f"{os.path.relpath(path, SRC)}:{line} {what}" for path in runtime_files()
-           if path.startswith(patches + os.sep) for line, what in state_writes(path)]
+           if path.startswith(patches + os.sep) or path in owners for line, what in state_writes(path, names)]
     assert not bad, "; ".join(bad)
 
 
@@ -147,10 +178,97 @@ def test_the_state_check_sees_each_kind_of_write(tmp_path) -> None:  # type: ign
     path = tmp_path / "m.py"
     path.write_text("def f():\n    STATE.runner = {}\n    STATE.engine_config['a'] = 1\n    STATE.dirty |= True\n"
                     "    with STATE.lock:\n        STATE.buffers.append(1)\n    STATE.patches['x'].update(a=1)\n"
-                    "    STATE.count('guard_checks')\n    x = STATE.buffers\n")
-    assert state_writes(str(path)) == [(2, "assigns STATE.runner"), (3, "assigns STATE.engine_config"),
-                                       (4, "assigns STATE.dirty"), (6, "STATE.buffers.append(...)"),
-                                       (7, "STATE.patches.update(...)")]
+                    "    STATE.count('guard_checks')\n    x = STATE.buffers\n    BUFFERS.items.append(2)\n"
+                    "    _gdn_buffers.BUFFERS.items[0]['rows'] = 3\n    BUFFERS.add({})\n    RANKS.ranks = None\n")
+    assert state_writes(str(path), frozenset({"STATE", "BUFFERS", "RANKS"})) == [
+        (2, "assigns STATE.runner"), (3, "assigns STATE.engine_config"), (4, "assigns STATE.dirty"),
+        (6, "STATE.buffers.append(...)"), (7, "STATE.patches.update(...)"), (10, "BUFFERS.items.append(...)"),
+        (11, "assigns BUFFERS.items"), (13, "assigns RANKS.ranks")]
+
+
+# a section's own methods that set its data up: everything else changes it inside ``with self.changing()``
+SETUP = ("__init__", "reset", "after_fork")
+
+
+def unguarded_changes(cls_source: str) -> list[tuple[int, str]]:
+    """(line, what) for every write of a field of ``self`` in a section class's methods (but SETUP)
+    made outside a ``with self.changing(...)`` block."""
+    cls = ast.parse(textwrap.dedent(cls_source)).body[0]
+    assert isinstance(cls, ast.ClassDef)
+
+    def field(node: ast.AST) -> str | None:
+        while isinstance(node, (ast.Subscript, ast.Attribute)):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+                return f"self.{node.attr}"
+            node = node.value
+        return None
+
+    def guarded(stmt: ast.With) -> bool:
+        return any(ast.unparse(item.context_expr).startswith("self.changing(") for item in stmt.items)
+
+    out: list[tuple[int, str]] = []
+
+    def visit(stmts: list[ast.stmt]) -> None:
+        for stmt in stmts:
+            if isinstance(stmt, ast.With) and guarded(stmt):
+                continue
+            blocks = [b for f in ("body", "orelse", "finalbody") if isinstance(b := getattr(stmt, f, None), list)]
+            handlers = [h.body for h in getattr(stmt, "handlers", None) or []]
+            if not blocks and not handlers:
+                out.extend(_writes(stmt, field))
+                continue
+            out.extend(_writes(_shallow(stmt), field))  # an if's test, a for's target
+            for block in blocks + handlers:
+                visit(block)
+
+    for fn in cls.body:
+        if isinstance(fn, ast.FunctionDef) and fn.name not in SETUP:
+            visit(fn.body)
+    return sorted(set(out))
+
+
+def _shallow(stmt: ast.stmt) -> ast.stmt:
+    """A compound statement without its blocks (its test or iterator alone can write too)."""
+    import copy
+
+    node = copy.copy(stmt)
+    for f in ("body", "orelse", "finalbody", "handlers"):
+        if hasattr(node, f):
+            setattr(node, f, [])
+    return node
+
+
+def test_sections_change_their_data_only_under_the_lock() -> None:
+    """Every section of the report (``report.SECTIONS``, each registered by the module listed for it)
+    changes its data inside ``with self.changing()`` (the state's lock held, the report marked for the
+    flusher) outside the methods that set it up; no section's key is one ProcessState writes itself."""
+    import importlib
+    import inspect
+
+    from vllm_overlay import report
+
+    report.load_owners()
+    assert set(report.STATE.sections) == set(report.SECTIONS)
+    for key, module in report.SECTIONS.items():
+        sec = report.STATE.sections[key]
+        assert sec.key == key and sec in vars(importlib.import_module(module)).values(), (key, module)
+    assert not set(report.SECTIONS) & set(report.ProcessState().to_json())
+    bad = []
+    classes = {c for sec in report.STATE.sections.values() for c in type(sec).__mro__
+               if c.__module__.startswith("vllm_overlay.")}
+    for cls in sorted(classes, key=lambda c: (c.__module__, c.__qualname__)):
+        bad += [f"{cls.__module__}.{cls.__qualname__} (line {line} of the class) {what}"
+                for line, what in unguarded_changes(inspect.getsource(cls))]
+    assert not bad, "; ".join(bad)
+
+
+def test_the_section_check_sees_an_unguarded_change() -> None:
+    src = ("class S(Section):\n"
+           "    def reset(self):\n        self.items = []\n"
+           "    def add(self, x):\n        with self.changing():\n            self.items.append(x)\n"
+           "    def bad(self, x):\n        self.items.append(x)\n        if x:\n            self.n = 1\n"
+           "    def worse(self):\n        with STATE.lock:\n            self.items[0] = 2\n")
+    assert unguarded_changes(src) == [(8, "self.items.append(...)"), (10, "assigns self.n"), (13, "assigns self.items")]
 
 
 def test_the_static_check_sees_imports_inside_functions(tmp_path) -> None:  # type: ignore[no-untyped-def]

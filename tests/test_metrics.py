@@ -119,6 +119,39 @@ def test_band_edges_come_from_the_workers_reports_not_this_process_s_environment
     assert metrics.recorded_edges(rep) == {1000, 1800}
 
 
+# the settings /metrics may read in the API server: where the reports are, and which are this server's
+LOCATING = {"VLLM_OVERLAY_REPORT_DIR", "VLLM_OVERLAY_SERVER_ID"}
+SERIES_CODE = ("metrics.py", "reports.py", "telemetry.py", "patches/_gdn_metrics.py", "patches/prometheus_metrics.py")
+
+
+def environment_reads(path: str) -> list[str]:
+    """Every read of a setting or of the environment the file makes: ``settings.value/resolve(NAME)``
+    (NAME as written), ``os.environ``, ``os.getenv``."""
+    import ast
+
+    out = []
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            owner = ast.unparse(node.func.value)
+            if (owner == "settings" and node.func.attr in ("value", "resolve")) or (owner, node.func.attr) == ("os", "getenv"):
+                arg = node.args[0] if node.args else None
+                out.append(arg.value if isinstance(arg, ast.Constant) else f"{ast.unparse(node)} (line {node.lineno})")
+        elif isinstance(node, ast.Attribute) and ast.unparse(node) == "os.environ":
+            out.append(f"os.environ (line {node.lineno})")
+    return out
+
+
+def test_the_series_read_no_setting_of_this_process_but_where_the_reports_are() -> None:
+    """Every series is computed from what the workers reported: the code that builds them (the
+    collector, the report readers, each patch's families) reads of its own process's environment only
+    where the reports are and which server they belong to."""
+    src = os.path.dirname(metrics.__file__)
+    reads = {name: environment_reads(os.path.join(src, name)) for name in SERIES_CODE}
+    assert set(reads["metrics.py"]) == LOCATING  # the check reads what it should
+    bad = {name: [r for r in got if r not in LOCATING] for name, got in reads.items()}
+    assert not any(bad.values()), bad
+
+
 def test_each_patch_s_own_families_come_from_its_hook(tmp_path, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
     """The GDN buffer series are gdn-output-prealloc's, built by the hook its spec declares
     (metric_families); a hook that fails leaves out its patch's series alone, with one WARNING naming

@@ -239,10 +239,11 @@ def test_a_write_failing_with_a_new_temporary_name_each_time_warns_once(tmp_path
     script = ("import os, time\n"
               "from vllm_overlay import core, flush\n"
               "from vllm_overlay.report import STATE\n"
+              "from vllm_overlay.telemetry import TELEMETRY\n"
               "os.makedirs(STATE.report_path())\n"
               "core.register()\n"
               "for i in range(5):\n"
-              "    STATE.record_forward(10 + i); flush()\n"
+              "    TELEMETRY.record(10 + i); flush()\n"
               "print(STATE.write_failures)\n")
     p = subprocess.run([PY, "-c", script], capture_output=True, text=True, timeout=120,
                        env=clean_env(VLLM_OVERLAY_REPORT_DIR=str(tmp_path), VLLM_OVERLAY_SERVER_ID="srv"))

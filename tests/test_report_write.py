@@ -18,9 +18,10 @@ resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64))  # every report is larger
 from prometheus_client import REGISTRY, generate_latest
 from vllm_overlay import core, flush
 from vllm_overlay.report import STATE
+from vllm_overlay.telemetry import TELEMETRY
 core.register()
 for i in range(30):
-    STATE.record_forward(100 + i)
+    TELEMETRY.record(100 + i)
     flush()
 time.sleep(2.5)  # the flusher runs too, backing off
 text = generate_latest(REGISTRY).decode()

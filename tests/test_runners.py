@@ -191,7 +191,7 @@ def test_v2_boot_and_serve_go_through_guard_telemetry_and_cap(overlay, monkeypat
     # the profiling forward was capped; the full-size forward ran before the real capture only
     assert calls[:3] == [("dummy", 512, True), ("execute", 512, True), ("capture", True)]
     assert calls[3:6] == [("dummy", 8192, False), ("execute", 8192, True), ("capture", False)]
-    assert STATE.runner == {"kind": "V2", "class": "vllm.v1.worker.gpu.model_runner.GPUModelRunner"}
+    assert _runner.RUNNER_REPORT.to_json() == {"kind": "V2", "class": "vllm.v1.worker.gpu.model_runner.GPUModelRunner"}
     rep = STATE.to_json()
     fw = rep["telemetry"]["forwards"]
     assert fw["count"] == 2 and fw["sizes"] == {"5000": 1, "7000": 1}  # warm-up is not a served forward
@@ -227,7 +227,7 @@ def test_v1_runner_is_named_v1(overlay) -> None:  # type: ignore[no-untyped-def]
     v1 = classes()[0]
     runner = object.__new__(v1)
     _runner.fired("forward-telemetry", runner, "execute_model")
-    assert STATE.runner == {"kind": "V1", "class": "vllm.v1.worker.gpu_model_runner.GPUModelRunner"}
+    assert _runner.RUNNER_REPORT.to_json() == {"kind": "V1", "class": "vllm.v1.worker.gpu_model_runner.GPUModelRunner"}
 
 
 def test_a_hook_that_did_not_fire_is_a_loud_warning(overlay, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]

@@ -18,9 +18,9 @@ import weakref
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from vllm_overlay import settings
+from vllm_overlay import report, settings
 from vllm_overlay.errors import BudgetError
-from vllm_overlay.report import LOG, STATE
+from vllm_overlay.report import LOG
 
 # The settings that give a buffer's token count, highest priority first (after an explicit hint,
 # before the live max_num_batched_tokens): the one place this order is written.
@@ -30,6 +30,17 @@ FALLBACK_TOKENS = 4096  # used only when no vLLM config exists at all (e.g. a ba
 
 _seen: set[tuple[Any, ...]] = set()
 _seen_lock = threading.Lock()
+
+
+class Budgets(report.Items):
+    """The report's ``budgets``: each distinct resolution this process made (``purpose`` and the
+    ``Budget``'s fields). A forked child keeps its parent's, each marked ``inherited_from``."""
+
+    def after_fork(self, parent: int) -> None:
+        self.items = [{**b, "inherited_from": parent} for b in self.items]
+
+
+BUDGETS = report.section("budgets", Budgets)
 
 
 def _renew_after_fork() -> None:
@@ -147,7 +158,5 @@ def resolve(purpose: str, hint: int | None = None, vllm_config: Any | None = Non
             )
         else:
             LOG.info("token budget for %s: %d (%s)", purpose, value, source)
-        with STATE.lock:
-            STATE.budgets.append({"purpose": purpose, **asdict(budget)})
-            STATE.dirty = True
+        BUDGETS.add({"purpose": purpose, **asdict(budget)})
     return budget

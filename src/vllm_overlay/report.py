@@ -1,10 +1,17 @@
 """Per-process state and its JSON report: one file per process, one summary line in the log.
 
 The report says, per patch, what happened in this process (applied, armed until its module is
-imported, skipped with the reason, upstream-merged, off, failed with the error), plus budget
-resolutions, guard trips and forward telemetry. It is written at register(), whenever a patch
-state changes, by a background flusher while telemetry is dirty, at exit, and on demand
+imported, skipped with the reason, upstream-merged, off, failed with the error), plus the
+process's identity, counters and events. It is written at register(), whenever a patch state
+changes, by a background flusher while something changed, at exit, and on demand
 (``vllm_overlay.flush()``).
+
+The rest of the report is in sections, each owned by the module whose data it is (``SECTIONS``:
+budget resolutions, GDN buffers, the runner built, the live engine limits, forward telemetry, an
+engine core's gathered rank reports). An owner registers its section with ``section(key, factory)``
+and changes the section's data only inside ``with self.changing():`` (the state's lock held, the
+report marked for the flusher); ``ProcessState.reset()`` resets every section, and a forked child
+calls each section's ``after_fork``.
 
 No secret reaches a report: of the command line only the program's name, its subcommand and the
 option names are kept (``argv``), never a value (``--api-key sk-...`` is kept as ``--api-key``);
@@ -14,6 +21,8 @@ nothing of the environment is written but the overlay's own server id and tree.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import importlib
 import json
 import multiprocessing
 import os
@@ -22,11 +31,12 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 from vllm_overlay import report_files, server_id, settings
+from vllm_overlay.errors import OverlayError
 from vllm_overlay.logs import LOG  # noqa: F401 - patches import LOG from here too
-from vllm_overlay.telemetry import Histogram
 
 SCHEMA = 1
 FLUSH_EVERY_S = 1.0
@@ -57,11 +67,23 @@ def _cause(exc: BaseException) -> str:
 
 
 class ProcessState:
+    """This process's identity (pid, instance, role, ranks), status (patches, registration, timings,
+    carry-over), counters, events and the writer's state; the rest of the report is in ``sections``,
+    each owned by the module whose data it is (``section()``)."""
+
     def __init__(self) -> None:
         self.lock = threading.RLock()
+        self.sections: dict[str, Section] = {}  # report key -> its owner's section, in registration order
         self.reset()
 
     def reset(self) -> None:
+        """Back to a fresh process's state, every section included (tests start from here)."""
+        with self.lock:
+            self._reset_own()
+            for sec in self.sections.values():
+                sec.reset()
+
+    def _reset_own(self) -> None:
         self.pid = os.getpid()
         self.instance = os.urandom(4).hex()  # in the file name: unique even where pids repeat
         self.started = time.time()
@@ -76,19 +98,10 @@ class ProcessState:
         self.carried_from: str | None = None
         self.carry: dict[str, Any] | None = None
         self.patches: dict[str, dict[str, Any]] = {}
-        self.budgets: list[dict[str, Any]] = []
         self.counters: dict[str, int] = {"guard_checks": 0, "guard_trips": 0}
         self.events: list[str] = []
-        self.forwards = Histogram()
-        self.dummy_forwards = Histogram()
-        self.profile_forward_tokens: list[int] = []
         self.worker_rank: int | None = None
         self.tp_rank: int | None = None
-        self.engine_config: dict[str, Any] = {}
-        self.runner: dict[str, Any] = {}  # the model runner the worker built: kind V1 / V2 and class
-        self.buffers: list[dict[str, Any]] = []
-        # engine core (patch rank-reports): its workers' reports, gathered through the executor
-        self.ranks: dict[str, Any] | None = None
         self.dirty = False
         self.last_written = 0.0  # time.time() of the last report on disk
         self.write_error: tuple[str, str] | None = None  # (path, error) while writing fails
@@ -114,32 +127,6 @@ class ProcessState:
     def count(self, key: str, n: int = 1) -> None:
         with self.lock:
             self.counters[key] = self.counters.get(key, 0) + n
-            self.dirty = True
-
-    def record_forward(self, n: int) -> None:
-        with self.lock:
-            self.forwards.record(n)
-            self.dirty = True
-        _ensure_flusher()
-
-    def set_ranks(self, world_size: int, reports: list[dict[str, Any]], missing: list[dict[str, Any]]) -> None:
-        """The reports this engine core gathered from its worker ranks, and the ranks that sent none."""
-        with self.lock:
-            self.ranks = {"world_size": world_size, "gathered": time.time(), "stepped_since": False,
-                          "reports": reports, "missing": missing}
-            self.dirty = True
-
-    def ranks_stepped(self) -> None:
-        """A step ran since the last gather: the gathered reports are as of the gather, not of now."""
-        with self.lock:
-            if self.ranks is not None:
-                self.ranks["stepped_since"] = True
-
-    def record_dummy(self, n: int, is_profile: bool) -> None:
-        with self.lock:
-            self.dummy_forwards.record(n)
-            if is_profile:
-                self.profile_forward_tokens.append(n)
             self.dirty = True
 
     # ---- identity ------------------------------------------------------------------------
@@ -177,6 +164,8 @@ class ProcessState:
         return out
 
     def to_json(self) -> dict[str, Any]:
+        if self is STATE:
+            load_owners()  # before the lock: an owner's import registers its section
         with self.lock:
             return {
                 "schema": SCHEMA,
@@ -199,19 +188,20 @@ class ProcessState:
                 "hook_apply_s": self.hook_apply_s,
                 "counts": self.counts(),
                 "patches": self.patches,
-                "budgets": self.budgets,
-                "buffers": self.buffers,
-                **({"ranks": self.ranks} if self.ranks is not None else {}),
-                "engine_config": self.engine_config,
-                "runner": self.runner,
                 "counters": self.counters,
                 "events": self.events[-200:],
-                "telemetry": {
-                    "forwards": self.forwards.to_json(),
-                    "dummy_forwards": self.dummy_forwards.to_json(),
-                    "profile_forward_tokens": self.profile_forward_tokens,
-                },
+                **self.section_json(),
             }
+
+    def section_json(self) -> dict[str, Any]:
+        """Each section's key and JSON; a section whose ``to_json()`` is None is left out."""
+        with self.lock:
+            out = {}
+            for key, sec in self.sections.items():
+                value = sec.to_json()
+                if value is not None:
+                    out[key] = value
+            return out
 
     # ---- output --------------------------------------------------------------------------
     def report_path(self) -> str:
@@ -223,6 +213,8 @@ class ProcessState:
         """The report as JSON text, serialised while holding the lock (a consistent snapshot:
         no dict changes size under the serialiser), with ``dirty`` cleared in the same critical
         section, so an update made after it marks the state dirty again and is written later."""
+        if self is STATE:
+            load_owners()  # before the lock: an owner's import registers its section
         with self.lock:
             data = json.dumps(self.to_json(), indent=1, sort_keys=True)
             self.dirty = False
@@ -244,7 +236,7 @@ class ProcessState:
             if self.write_error is not None:
                 LOG.info("report written again to %s after %d failed attempt(s)", path, self.write_failures)
             self.write_error, self.write_cause, self.write_failures = None, None, 0
-            _ensure_flusher()  # later changes (buffers, dummy forwards) reach the file within a second
+            _ensure_flusher()  # later changes (a section's, a counter's) reach the file within a second
             return path
         except Exception as exc:  # noqa: BLE001 - a report failure must not kill serving
             if tmp is not None:
@@ -356,45 +348,145 @@ def patch_entry(patch_id: str) -> dict[str, Any]:
         return dict(STATE.patches.get(patch_id, {}))
 
 
-# ---- what a patch adds to the process's own fields ------------------------------------------
-# A patch module changes the report's process-wide fields (``buffers``, ``engine_config``,
-# ``runner``) only through these, under the state's lock; counters, events, forwards and the
-# worker's ranks through STATE's methods (count, event, record_forward, record_dummy, set_identity).
+# ---- sections: the parts of the report their owners keep ------------------------------------
+# Each section is one key of the report, kept by the module whose data it is. The modules that own
+# one are listed here, so every report carries every key, whatever the process imported: they are
+# imported (once) before a report is assembled.
+
+SECTIONS: dict[str, str] = {
+    "budgets": "vllm_overlay.budget",  # each distinct token-budget resolution
+    "buffers": "vllm_overlay.patches._gdn_buffers",  # gdn-output-prealloc's buffers
+    "engine_config": "vllm_overlay.patches.forward_telemetry",  # the live limits of the runner
+    "runner": "vllm_overlay.patches._runner",  # the model runner the worker built
+    "ranks": "vllm_overlay.patches.rank_reports",  # an engine core's gathered worker reports
+    "telemetry": "vllm_overlay.telemetry",  # forward sizes: real, dummy, profile
+}
+_owners_loaded = False
 
 
-def add_buffer(info: dict[str, Any]) -> None:
-    """List ``info`` under ``buffers``; the patch keeps the dict and changes it with buffer_note."""
+def load_owners() -> None:
+    """Import every module of ``SECTIONS`` (each registers its section on import)."""
+    global _owners_loaded
+    if _owners_loaded:
+        return
+    for module in dict.fromkeys(SECTIONS.values()):
+        importlib.import_module(module)
+    _owners_loaded = True
+
+
+class Section:
+    """One key of the report, kept by the module that owns its data. A subclass holds its data as
+    attributes, sets them up in ``reset()``, changes them only inside ``with self.changing():``, and
+    returns its JSON from ``to_json()`` (None leaves the key out); ``after_fork(parent)`` is what a
+    forked child keeps (nothing, unless the subclass says otherwise)."""
+
+    key = ""  # set by section()
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        raise NotImplementedError
+
+    def to_json(self) -> Any:
+        raise NotImplementedError
+
+    def after_fork(self, parent: int) -> None:
+        self.reset()
+
+    @contextlib.contextmanager
+    def changing(self, start_flusher: bool = False) -> Iterator[None]:
+        """Hold the state's lock while the section changes and mark the report for the flusher
+        (``start_flusher``: start it now, for data that keeps changing while nothing else writes)."""
+        with STATE.lock:
+            yield
+            STATE.dirty = True
+        if start_flusher:
+            _ensure_flusher()
+
+
+class Items(Section):
+    """A section that is a list of entries (dicts); its owner keeps each entry it adds and changes it
+    with ``note``."""
+
+    def reset(self) -> None:
+        self.items: list[dict[str, Any]] = []
+
+    def to_json(self) -> list[dict[str, Any]]:
+        return self.items
+
+    def add(self, item: dict[str, Any]) -> None:
+        with self.changing():
+            self.items.append(item)
+
+    def note(self, item: dict[str, Any], **fields: Any) -> None:
+        """Set ``fields`` in ``item`` (an entry ``add`` listed, or one not listed yet)."""
+        with self.changing():
+            item.update(fields)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return self.items[i]
+
+
+class Fields(Section):
+    """A section that is one mapping of fields."""
+
+    def reset(self) -> None:
+        self.fields: dict[str, Any] = {}
+
+    def to_json(self) -> dict[str, Any]:
+        return self.fields
+
+    def replace(self, fields: dict[str, Any]) -> None:
+        with self.changing():
+            self.fields = dict(fields)
+
+    def note(self, **fields: Any) -> None:
+        """Set ``fields`` (the others stay)."""
+        with self.changing():
+            self.fields = {**self.fields, **fields}
+
+    def get(self, name: str, default: Any = None) -> Any:
+        with STATE.lock:
+            return self.fields.get(name, default)
+
+    def copy(self) -> dict[str, Any]:
+        with STATE.lock:
+            return dict(self.fields)
+
+    def __len__(self) -> int:
+        return len(self.fields)
+
+
+S = TypeVar("S", bound=Section)
+
+
+def section(key: str, factory: Callable[[], S]) -> S:
+    """Register the section of the report under ``key`` (one of ``SECTIONS``) and return it: made
+    with ``factory`` the first time; the same object again for the same key and class (a module
+    imported twice)."""
+    if key not in SECTIONS:
+        raise OverlayError(f"report section key={key!r}: not one of SECTIONS ({', '.join(sorted(SECTIONS))}); "
+                           "list the key and its owner module in report.SECTIONS")
     with STATE.lock:
-        STATE.buffers.append(info)
-        STATE.dirty = True
-
-
-def buffer_note(info: dict[str, Any], **fields: Any) -> None:
-    """Set ``fields`` in a buffer's entry (one that add_buffer listed, or one that is not listed yet)."""
-    with STATE.lock:
-        info.update(fields)
-        STATE.dirty = True
-
-
-def set_engine_config(config: dict[str, Any]) -> None:
-    """Replace ``engine_config``: the live limits of the runner this process serves."""
-    with STATE.lock:
-        STATE.engine_config = dict(config)
-        STATE.dirty = True
-
-
-def engine_config_note(**fields: Any) -> None:
-    """Set ``fields`` in ``engine_config`` (the others stay)."""
-    with STATE.lock:
-        STATE.engine_config = {**STATE.engine_config, **fields}
-        STATE.dirty = True
-
-
-def set_runner(kind: str, class_name: str) -> None:
-    """``runner``: the kind (V1, V2) and class of the model runner the worker built."""
-    with STATE.lock:
-        STATE.runner = {"kind": kind, "class": class_name}
-        STATE.dirty = True
+        have = STATE.sections.get(key)
+        if have is not None:
+            made = type(have)
+            if isinstance(factory, type) and (made.__module__, made.__qualname__) == (factory.__module__,
+                                                                                     factory.__qualname__):
+                return have  # type: ignore[return-value]
+            raise OverlayError(f"report section key={key!r}: already registered by {made.__module__}."
+                               f"{made.__qualname__}; one owner per key")
+        sec = factory()
+        if not isinstance(sec, Section):
+            raise OverlayError(f"report section key={key!r}: factory={factory!r} made a {type(sec).__name__}, "
+                               "not a report.Section")
+        sec.key = key
+        STATE.sections[key] = sec
+        return sec
 
 
 def flush() -> str | None:
@@ -404,24 +496,22 @@ def flush() -> str | None:
 
 def _after_fork_in_child() -> None:
     """A forked child gets its own state, locks and flusher. It keeps, as copies, what its memory
-    inherited from the parent (the patches in place, budgets resolved and buffers allocated
-    before the fork), marked with the parent's pid; its counters and telemetry start at zero."""
+    inherited from the parent (the patches in place, and what each section's ``after_fork`` keeps:
+    budgets resolved before the fork, marked with the parent's pid); its counters start at zero."""
     global _flusher, _flusher_lock
     import copy
 
     parent = STATE.pid
     patches, version, platform = copy.deepcopy(STATE.patches), STATE.vllm_version, STATE.platform
     carried_from, carried = STATE.carried_from, copy.deepcopy(STATE.carry)
-    budgets = copy.deepcopy(STATE.budgets)
     registered = STATE.registered
     STATE.lock = threading.RLock()
-    STATE.reset()
+    STATE._reset_own()
     STATE.forked_from = parent
     STATE.patches, STATE.vllm_version, STATE.platform = patches, version, platform
     STATE.carried_from, STATE.carry = carried_from, carried
-    STATE.budgets = [{**b, "inherited_from": parent} for b in budgets]
-    # STATE.buffers: the modules that own buffers re-add theirs from their own fork handlers
-    # (registered after this one, since they import this module, so they run after it)
+    for sec in STATE.sections.values():
+        sec.after_fork(parent)  # a module's own fork handler runs after this one (it imports this module)
     STATE.registered = registered
     _flusher = None
     _flusher_lock = threading.Lock()

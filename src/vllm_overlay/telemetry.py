@@ -1,9 +1,12 @@
-"""Forward-size histogram: exact counts per scheduled-token size, plus power-of-two buckets."""
+"""Forward-size histogram: exact counts per scheduled-token size, plus power-of-two buckets; and
+the report's ``telemetry`` section (``TELEMETRY``), which patch forward-telemetry records into."""
 
 from __future__ import annotations
 
 import threading
 from typing import Any
+
+from vllm_overlay import report
 
 
 def bucket_of(n: int) -> str:
@@ -56,6 +59,34 @@ class Histogram:
                 "sizes": {str(k): self.sizes[k] for k in sorted(self.sizes)},
                 "buckets": bucket_counts(self.sizes),
             }
+
+
+class Forwards(report.Section):
+    """The report's ``telemetry``: the real forwards' sizes, the dummy forwards' (profiling, warm-up,
+    graph capture) and the profiling forwards' token counts in order. A forked child starts at zero."""
+
+    def reset(self) -> None:
+        self.forwards = Histogram()
+        self.dummy_forwards = Histogram()
+        self.profile_forward_tokens: list[int] = []
+
+    def to_json(self) -> dict[str, Any]:
+        return {"forwards": self.forwards.to_json(), "dummy_forwards": self.dummy_forwards.to_json(),
+                "profile_forward_tokens": self.profile_forward_tokens}
+
+    def record(self, n: int) -> None:
+        """A real forward of ``n`` scheduled tokens (the flusher writes it within a second)."""
+        with self.changing(start_flusher=True):
+            self.forwards.record(n)
+
+    def record_dummy(self, n: int, is_profile: bool) -> None:
+        with self.changing():
+            self.dummy_forwards.record(n)
+            if is_profile:
+                self.profile_forward_tokens.append(n)
+
+
+TELEMETRY = report.section("telemetry", Forwards)
 
 
 def merge_sizes(reports: list[dict[str, Any]], key: str = "forwards") -> dict[int, int]:

@@ -101,7 +101,9 @@ _lock = threading.Lock()
 _measuring = threading.local()  # memory-headroom's measuring forwards (measuring() below)
 _fired: weakref.WeakKeyDictionary[Any, set[tuple[str, str]]] = weakref.WeakKeyDictionary()
 _checked: dict[str, weakref.WeakSet[Any]] = {}  # patch id -> runners whose first forward was checked
-_noted: list[Any] = [None]  # weak reference to the runner STATE.runner describes
+_noted: list[Any] = [None]  # weak reference to the runner RUNNER_REPORT describes
+# the report's ``runner``: the kind (V1, V2) and class of the model runner the worker built
+RUNNER_REPORT = report.section("runner", report.Fields)
 
 
 def _renew_after_fork() -> None:
@@ -123,7 +125,7 @@ def note(runner: Any) -> None:
     except TypeError:
         _noted[0] = None
     k = kind(runner)
-    report.set_runner(k or "unknown", class_name(runner))
+    RUNNER_REPORT.replace({"kind": k or "unknown", "class": class_name(runner)})
 
 
 def fired(patch_id: str, runner: Any, hook: str) -> None:

@@ -21,6 +21,7 @@ from vllm_overlay.patches._runner import (
 )
 from vllm_overlay.report import STATE
 from vllm_overlay.spec import PatchSpec, Proof, Support, Target, wraps
+from vllm_overlay.telemetry import TELEMETRY
 
 V1_INIT = Target(V1_MODULE, f"{RUNNER_CLASS}.__init__", V1_RELEASES)
 V1_EXECUTE = Target(V1_MODULE, f"{RUNNER_CLASS}.execute_model", V1_RELEASES, params=("scheduler_output",))
@@ -77,17 +78,20 @@ SPEC = PatchSpec(
 )
 
 
+# the report's ``engine_config``: the live limits of the runner this process serves (the stress
+# harness plans its bands from them; /metrics shows them and takes its histogram's edges from them)
+ENGINE_CONFIG = report.section("engine_config", report.Fields)
 _noted: list[Any] = [None]  # weak reference to the runner engine_config describes
 
 
 def _note_runner(runner: Any) -> None:
     """engine_config describes the live runner (a later engine in the same process replaces it)."""
     ref = _noted[0]
-    if STATE.engine_config and ref is not None and ref() is runner:
+    if ENGINE_CONFIG and ref is not None and ref() is runner:
         # the hybrid page planner raises the block size after the runner is built: keep it live
         block = int(getattr(getattr(runner, "cache_config", None), "block_size", 0) or 0)
-        if block and STATE.engine_config.get("block_size") not in (None, block):
-            report.engine_config_note(block_size=block)
+        if block and ENGINE_CONFIG.get("block_size") not in (None, block):
+            ENGINE_CONFIG.note(block_size=block)
         return
     try:
         _noted[0] = weakref.ref(runner)
@@ -95,7 +99,7 @@ def _note_runner(runner: Any) -> None:
         _noted[0] = None
     STATE.set_identity(worker_rank(), tp_rank())
     try:
-        report.set_engine_config({
+        ENGINE_CONFIG.replace({
             "max_num_batched_tokens": int(runner.scheduler_config.max_num_batched_tokens),
             "max_num_seqs": int(runner.scheduler_config.max_num_seqs),
             "max_model_len": int(runner.model_config.max_model_len),
@@ -113,7 +117,7 @@ def _note_runner(runner: Any) -> None:
         if getattr(runner, "max_num_tokens", None) is not None:
             budget.note_runner_limit(runner.vllm_config, runner.max_num_tokens)
     except Exception:  # noqa: BLE001 - a runner without these fields: leave it empty
-        report.set_engine_config({"unknown": True})
+        ENGINE_CONFIG.replace({"unknown": True})
 
 
 @wraps(V1_EXECUTE)
@@ -123,7 +127,7 @@ def _execute_model(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: d
     n = int(getattr(sched, "total_num_scheduled_tokens", 0) or 0)
     if n > 0:
         _note_runner(instance)
-        STATE.record_forward(n)
+        TELEMETRY.record(n)
     return wrapped(*args, **kwargs)
 
 
@@ -139,10 +143,10 @@ def _execute_model_v2(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs
         if n > 0:
             _note_runner(instance)
             if _runner.is_warmup(sched):
-                STATE.record_dummy(n, False)
+                TELEMETRY.record_dummy(n, False)
                 STATE.count("warmup_forwards")
             else:
-                STATE.record_forward(n)
+                TELEMETRY.record(n)
     return wrapped(*args, **kwargs)
 
 
@@ -151,7 +155,7 @@ def _dummy_run(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[
     _runner.fired(SPEC.id, instance, "_dummy_run")
     n = dummy_tokens(args, kwargs)
     _note_runner(instance)
-    STATE.record_dummy(n, bool(kwargs.get("is_profile")))
+    TELEMETRY.record_dummy(n, bool(kwargs.get("is_profile")))
     return wrapped(*args, **kwargs)
 
 

@@ -29,9 +29,10 @@ import threading
 import weakref
 from typing import Any
 
-from vllm_overlay import budget, report, settings
+from vllm_overlay import budget, settings
 from vllm_overlay.errors import CapacityError
 from vllm_overlay.patches import _gdn_metrics, _runner
+from vllm_overlay.patches._gdn_buffers import BUFFERS
 from vllm_overlay.patches._runner import (
     RUNNER_CLASS,
     RUNNER_MODULES,
@@ -261,12 +262,12 @@ _engines: dict[str, weakref.finalize] = {}  # engine id -> finalizer of its conf
 
 def _renew_after_fork() -> None:
     """The child's own lock; the buffers its memory inherited stay (its layers point at them)
-    and are listed in its report as inherited (report.py's handler ran first and reset STATE)."""
+    and are listed in its report as inherited (report.py's handler ran first and emptied BUFFERS)."""
     global _lock, _sizes
     _lock = threading.Lock()
     _sizes = {k: {**v, "inherited_from": STATE.forked_from} for k, v in _sizes.items()}
     for info in _sizes.values():
-        report.add_buffer(info)
+        BUFFERS.add(info)
 
 
 os.register_at_fork(after_in_child=_renew_after_fork)
@@ -322,7 +323,7 @@ def _freed(key: Key) -> None:
             del _pool[key]
         info = _sizes.pop(key, None)
     if info is not None:
-        report.buffer_note(info, freed=True)
+        BUFFERS.note(info, freed=True)
         LOG.info("GDN output buffer %s freed (its engine's layers were released)", list(key))
 
 
@@ -356,10 +357,10 @@ def _attach(layer: Any) -> None:
             info = {"key": list(key), "engine": engine, "rows": rows, "source": source,
                     "dtype_source": dtype_source, "bytes": buf.numel() * buf.element_size(), "layers": 0}
             _sizes[key] = info
-            report.add_buffer(info)
+            BUFFERS.add(info)
             LOG.info("GDN output buffer %s: %d rows (%s), %.1f MiB shared by every GDN layer of this engine",
                      list(key), rows, source, info["bytes"] / 2**20)
-        report.buffer_note(_sizes[key], layers=_sizes[key]["layers"] + 1)  # under _lock: no lost count
+        BUFFERS.note(_sizes[key], layers=_sizes[key]["layers"] + 1)  # under _lock: no lost count
         _layers.append(weakref.ref(layer))
     object.__setattr__(layer, ATTR, buf)
 

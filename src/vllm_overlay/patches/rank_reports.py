@@ -31,6 +31,7 @@ import time
 import weakref
 from typing import Any
 
+from vllm_overlay import report
 from vllm_overlay.report import LOG, STATE
 from vllm_overlay.spec import PatchSpec, Proof, Support, Target, wraps
 
@@ -139,6 +140,32 @@ def _wrapper_ready(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: d
 # ---- the engine core side -----------------------------------------------------------------------
 
 
+class Ranks(report.Section):
+    """The engine core's report's ``ranks``: the reports its worker ranks sent at the last gather,
+    the ranks that sent none, and whether a step ran since (left out until a gather ran)."""
+
+    def reset(self) -> None:
+        self.ranks: dict[str, Any] | None = None
+
+    def to_json(self) -> dict[str, Any] | None:
+        return self.ranks
+
+    def gathered(self, world_size: int, reports: list[dict[str, Any]], missing: list[dict[str, Any]]) -> None:
+        with self.changing():
+            self.ranks = {"world_size": world_size, "gathered": time.time(), "stepped_since": False,
+                          "reports": reports, "missing": missing}
+
+    def stepped(self) -> None:
+        """A step ran since the last gather: the gathered reports are as of the gather, not of now
+        (written within a second, once per gather)."""
+        if self.ranks is not None and not self.ranks["stepped_since"]:
+            with self.changing():
+                self.ranks["stepped_since"] = True  # gathers and steps run on one thread: none since the test
+
+
+RANKS = report.section("ranks", Ranks)
+
+
 class _Gather:
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -196,7 +223,7 @@ def gather(core: Any) -> None:
         for rank in range(expected):
             if rank not in answered:
                 missing[rank] = error or "no answer from this rank to the engine core's gather"
-        STATE.set_ranks(expected, reports, [{"rank": r, "why": w} for r, w in sorted(missing.items())])
+        RANKS.gathered(expected, reports, [{"rank": r, "why": w} for r, w in sorted(missing.items())])
         if missing:
             _warn_missing(missing)
     finally:
@@ -227,7 +254,7 @@ def _init(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, 
 def _step(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     result = wrapped(*args, **kwargs)
     g = _state_of(instance)
-    STATE.ranks_stepped()
+    RANKS.stepped()
     try:  # no request left unfinished: this step ran the last forwards before the engine idles
         idle = instance.scheduler.get_num_unfinished_requests() == 0
     except Exception:  # noqa: BLE001 - a scheduler without the count: gather on the timer only

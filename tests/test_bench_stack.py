@@ -9,6 +9,7 @@ import glob
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import threading
 import time
@@ -531,3 +532,37 @@ def test_compile_source_reads_vllms_compile_lines() -> None:
     aot = ("INFO [decorators.py:326] [backbone] Directly load AOT compilation from path "
            "/root/.cache/vllm/torch_compile_cache/torch_aot_compile/b40e/rank_0_0/model\n")  # vLLM 0.33.0
     assert schedule.compile_source(aot) == "loaded from the cache"
+
+
+def test_forced_guard_with_no_buffer_in_its_workers_has_nothing_to_guard(state) -> None:  # type: ignore[no-untyped-def]
+    """vLLM 0.34.0 with a model whose GDN layers all take vLLM's own allocation (Qwen3-Next falls back to
+    the Triton spec-decode path): the forced buffer's server serves band traffic, and its workers report no
+    buffer; that is said as such, not as a guard that failed. With a buffer reported it is a failure."""
+    for buffers, want in (([], "nothing to guard"), ([{"rows": 4096}], None)):
+        proc = subprocess.Popen(["sleep", "600"], start_new_session=True)
+        try:
+            served("forced-guard", proc.pid)
+            report = {"pid": 5, "tp_rank": 0, "runner": {"kind": "V2"}, "buffers": buffers}
+            (state / "state" / "forced-guard" / "reports" / "overlay-5.json").write_text(json.dumps(report))
+            assert schedule.guard_outcome("forced-guard", 0, booted=True) == schedule.AGAIN
+            mark = server.series_state("forced-guard")["series"]
+            if want:
+                assert want in mark["expected"] and mark.get("done") and not mark.get("failed")
+            else:
+                assert "the guard did not stop it" in mark["failed"] and not mark.get("expected")
+            assert proc.wait(timeout=30) is not None  # `stop` ended it
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            shutil.rmtree(state / "state" / "forced-guard", ignore_errors=True)
+
+
+def test_the_continuation_prefix_is_whole_kv_cache_blocks(state) -> None:  # type: ignore[no-untyped-def]
+    """Prefix caching keeps whole blocks: the block size comes from the workers' engine_config (1,472 tokens
+    for the slice with TurboQuant k8v4 on vLLM 0.34.0, where a 1,024-token prefix was never cached)."""
+    served("tq-nomtp", 1)
+    assert measure.served_block_size("tq-nomtp") is None
+    (state / "state" / "tq-nomtp" / "reports" / "overlay-5.json").write_text(
+        json.dumps({"pid": 5, "engine_config": {"block_size": 1472}}))
+    (state / "state" / "tq-nomtp" / "reports" / "overlay-6.json").write_text(json.dumps({"pid": 6, "engine_config": {}}))
+    assert measure.served_block_size("tq-nomtp") == 1472

@@ -100,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a prefill continuing from cached context beside a fresh prompt, against each alone")
     co.add_argument("label")
     co.add_argument("--trials", type=int, default=3)
-    co.add_argument("--prefix", type=int, default=1024, help="tokens of the cached prefix")
+    co.add_argument("--prefix", type=int, default=1024,
+                    help="tokens of the cached prefix (rounded up to whole KV cache blocks of the server)")
     co.add_argument("--cont", type=int, default=512, help="new tokens after the prefix")
     co.add_argument("--fresh", type=int, default=2048, help="tokens of the fresh prompt (>= prefix + cont)")
     co.add_argument("--top", type=int, default=20)

@@ -148,6 +148,14 @@ def overlay_totals(label: str) -> dict[str, Any]:
     return {"counters": counters, "sizes": sizes}
 
 
+def served_block_size(label: str) -> int | None:
+    """The KV cache block size the server's workers report (engine_config.block_size): prefix caching keeps
+    whole blocks only, and a hybrid's blocks are large (1,472 tokens for the slice with TurboQuant k8v4)."""
+    sizes = {r["engine_config"]["block_size"] for r in overlay_reports(sdir(label))
+             if isinstance(r.get("engine_config"), dict) and isinstance(r["engine_config"].get("block_size"), int)}
+    return max(sizes) if sizes else None
+
+
 def overlay_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     counters = {k: v - before["counters"].get(k, 0) for k, v in after["counters"].items()
                 if v - before["counters"].get(k, 0)}
@@ -413,9 +421,16 @@ def cmd_continuation(a: argparse.Namespace) -> int:
         sys.exit(f"stack: continuation --fresh {a.fresh}: expected at least --prefix + --cont ({a.prefix + a.cont}), "
                  "so that the fresh prompt's length is the batch's longest sequence")
     port, model = st["port"], served_model(st)
+    prefix_len, fresh_len, block = a.prefix, a.fresh, served_block_size(a.label)
+    if block and prefix_len % block:  # a prefix shorter than a block is never cached: the step would measure nothing
+        prefix_len = -(-prefix_len // block) * block
+        fresh_len = max(fresh_len, prefix_len + a.cont)
+        say(f"{a.label}: continuation: --prefix {a.prefix} rounded up to {prefix_len} tokens, whole blocks of the "
+            f"server's {block}-token KV cache blocks (prefix caching keeps whole blocks only); fresh prompt "
+            f"{fresh_len} tokens")
     res: dict[str, Any] = {"kind": "continuation", "label": a.label, "vllm_args": st["vllm_args"], "top": a.top,
-                           "max_tokens": a.max_tokens, "prefix": a.prefix, "cont": a.cont, "fresh": a.fresh,
-                           "seed": a.seed, "trials": []}
+                           "max_tokens": a.max_tokens, "prefix": prefix_len, "prefix_asked": a.prefix,
+                           "block_size": block, "cont": a.cont, "fresh": fresh_len, "seed": a.seed, "trials": []}
 
     def ask(ids: list[int], n: int = a.max_tokens) -> dict[str, Any]:
         return sm.request_logprobs(port, model, ids, n, a.top)
@@ -426,9 +441,9 @@ def cmd_continuation(a: argparse.Namespace) -> int:
 
     failed = False
     for i in range(a.trials):
-        prefix = sm.prompt_ids(a.prefix, "continuation", a.seed, i, "prefix")
+        prefix = sm.prompt_ids(prefix_len, "continuation", a.seed, i, "prefix")
         cont = prefix + sm.prompt_ids(a.cont, "continuation", a.seed, i, "cont")
-        fresh = sm.prompt_ids(a.fresh, "continuation", a.seed, i, "fresh")
+        fresh = sm.prompt_ids(fresh_len, "continuation", a.seed, i, "fresh")
         trial: dict[str, Any] = {"trial": i, "errors": []}
         err = warm(prefix)
         before = overlay_totals(a.label)
@@ -449,6 +464,9 @@ def cmd_continuation(a: argparse.Namespace) -> int:
         trial["cached_tokens"] = {"pair_cont": pair[0].get("cached_tokens"), "alone_cont": alone_cont.get("cached_tokens"),
                                   "pair_fresh": pair[1].get("cached_tokens")}
         trial["pair"], trial["alone"] = pair, [alone_cont, alone_fresh]
+        if pair[0].get("cached_tokens") == 0 and not trial["errors"]:
+            trial["errors"].append(f"NOT EXERCISED: the continuing request found no cached tokens (prefix {prefix_len}, "
+                                   f"block size {block}): no prefill continued from cached context")
         if not trial["errors"]:
             trial["cont_vs_alone"] = sm.compare_logprobs({"prompts": [pair[0]]}, {"prompts": [alone_cont]}, a.top)
             trial["fresh_vs_alone"] = sm.compare_logprobs({"prompts": [pair[1]]}, {"prompts": [alone_fresh]}, a.top)

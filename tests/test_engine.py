@@ -55,7 +55,8 @@ def test_overlay_applies_in_the_worker_and_sees_the_band(overlay) -> None:  # ty
     assert f"pid {w['pid']} role worker rank 0: 7 applied" in summaries[-1], summaries
     # moe-configs applies in the worker too (the CPU MoE reads no Triton config, so it records none)
     assert w["patches"]["moe-configs"]["status"] == "applied"
-    assert all(r["load_apply_s"] < 1.0 for r in overlay["reports"])
+    # register() decides and arms in about 0.05 s here; the bound is loose enough for a busy 2-core CI machine
+    assert all(r["load_apply_s"] < 5.0 for r in overlay["reports"])
 
 
 def test_overlay_outputs_equal_stock(overlay, stock) -> None:  # type: ignore[no-untyped-def]

@@ -566,3 +566,15 @@ def test_the_continuation_prefix_is_whole_kv_cache_blocks(state) -> None:  # typ
         json.dumps({"pid": 5, "engine_config": {"block_size": 1472}}))
     (state / "state" / "tq-nomtp" / "reports" / "overlay-6.json").write_text(json.dumps({"pid": 6, "engine_config": {}}))
     assert measure.served_block_size("tq-nomtp") == 1472
+
+
+def test_a_second_series_on_the_same_state_folder_is_refused(state) -> None:  # type: ignore[no-untyped-def]
+    """Two series commands would both drive the labels they share: the second exits naming the first."""
+    held = series.series_lock()
+    try:
+        with pytest.raises(SystemExit) as exc:
+            series.series_lock()
+        assert "another series is running on the state folder" in str(exc.value) and f"pid {os.getpid()}" in str(exc.value)
+    finally:
+        held.close()
+    series.series_lock().close()  # free again once the first ended

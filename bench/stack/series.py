@@ -4,6 +4,7 @@ GPU, the resume across runs and the status, comparisons and verdicts said at the
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import shlex
@@ -13,6 +14,7 @@ import time
 from typing import Any
 
 from .. import serve_measure as sm  # bench/serve_measure.py (stdlib only)
+from . import server
 from .server import alive, check_gpu, say, sdir, series_state
 from .collect import result_files, summarize
 from .verdicts import (
@@ -223,10 +225,31 @@ def series_compare(spec: dict[str, Any], labels: list[str]) -> None:
             say(f"series: verdict: {line}")
 
 
+def series_lock() -> Any:
+    """One series at a time per state folder: two would both drive the labels they share (boots, traffic,
+    stops). The open lock file, held until this process ends; exit 2 naming the holder when taken."""
+    os.makedirs(server.STATE, exist_ok=True)
+    path = os.path.join(server.STATE, "series.lock")
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        sys.exit(f"stack: series: another series is running on the state folder {server.STATE} ({holder}); "
+                 "wait for it to end (its labels' servers are its own) or stop it first")
+    f.truncate(0)
+    f.write(f"pid {os.getpid()}, started {time.strftime('%H:%M:%S')}")
+    f.flush()
+    return f
+
+
 def cmd_series(a: argparse.Namespace) -> int:
     from .cli import build_parser  # cli imports this module
 
     spec = SERIES[a.name]
+    lock = series_lock()  # noqa: F841 - held while the series runs
     t_end = time.time() + a.deadline if a.deadline is not None else float("inf")
     items = series_items(spec)
     known = [label for label, _, _ in items]

@@ -452,3 +452,43 @@ def test_each_new_failure_of_a_report_is_logged_again(tmp_path, caplog) -> None:
     assert 'why="no integer pid"' in text and metrics_text.parse(text).band(1024, 2048) == 2
     os.unlink(bad)
     assert "report_skipped_info{" not in generate_latest(reg).decode()
+
+
+# Reports whose /metrics text is kept in tests/data/metrics_exposition.txt: one server's processes (an
+# engine core, two worker ranks), GDN buffers of several sizes (one larger than the
+# batch, one without rows, one keyed the older way without its engine), a profile cap and a budget a
+# setting requested. The text was written by the collector before the buffers' bucket edges moved to
+# gdn-output-prealloc's hook: the same reports must keep giving the same bytes.
+EXPOSITION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "metrics_exposition.txt")
+
+
+def exposition_reports() -> list[dict]:  # type: ignore[type-arg]
+    core_rep = report(31, "srv-e", {}, tp_rank=None, role="engine core", buffers=[],
+                      patches={"forward-telemetry": {"status": "applied"},
+                               "gdn-output-prealloc": {"status": "armed",
+                                                       "pending_modules": ["vllm.v1.worker.gpu_model_runner"]}})
+    core_rep["engine_config"]["profile_run_cap"] = 1000
+    rank0 = report(32, "srv-e", {5: 3, 700: 2, 1200: 4, 2999: 1}, tp_rank=0,
+                   budgets=[{"purpose": "gdn_output", "value": 3000, "requested": 1800, "raised": True, "floor": 3000,
+                             "source": "floor: the model runner's max_num_tokens",
+                             "requested_source": "env VLLM_OVERLAY_PREALLOC_TOKEN_BUDGET"}])
+    rank0["buffers"].append({"key": ["config-7fdda29fb7d0", "cpu", "torch.bfloat16", 8, 128], "rows": 5000,
+                             "source": "env VLLM_OVERLAY_TEST_BUFFER_ROWS", "bytes": 10240000, "layers": 1})
+    rank1 = report(33, "srv-e", {5: 3, 700: 2, 1200: 4, 2999: 1}, tp_rank=1,
+                   buffers=[{"key": ["cpu", "torch.float16", 4, 64], "engine": "config-0123456789ab", "rows": 2600,
+                             "source": "live", "bytes": 1331200, "layers": 3},
+                            {"key": ["config-0123456789ab", "cpu", "torch.float16", 4, 64], "source": "live",
+                             "bytes": 0, "layers": 0}])
+    return [core_rep, rank0, rank1]
+
+
+def test_the_exposition_of_fixed_reports_is_unchanged(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Byte for byte, the /metrics text of the reports above (this process's own report-writing sample
+    aside: it comes from this process, not from the reports)."""
+    for rep in exposition_reports():
+        write(tmp_path, rep)
+    own = "vllm_overlay_report_write_failing{"
+    text = "".join(line for line in exposition(tmp_path, "srv-e").splitlines(keepends=True) if not line.startswith(own))
+    assert 'le="2600.0"' in text and 'le="5000.0"' in text  # the buffers' rows are bucket edges
+    with open(EXPOSITION) as f:
+        assert text == f.read()

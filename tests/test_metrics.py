@@ -158,7 +158,7 @@ def test_each_patch_s_own_families_come_from_its_hook(tmp_path, monkeypatch, cap
     the patch for that error however often /metrics is scraped."""
     from vllm_overlay.patches import _gdn_metrics, gdn_output_prealloc
 
-    assert [m.SPEC.id for m in metrics.hook_modules()] == ["gdn-output-prealloc"]
+    assert [m.SPEC.id for m in metrics.hook_modules("metric_families")] == ["gdn-output-prealloc"]
     rep = report(11, "srv-a", {5: 1})
     assert [f.name for f in gdn_output_prealloc.metric_families([rep])] == [
         "vllm_overlay_gdn_buffer_rows", "vllm_overlay_gdn_buffer_bytes"]
@@ -174,6 +174,38 @@ def test_each_patch_s_own_families_come_from_its_hook(tmp_path, monkeypatch, cap
     assert warned == ["/metrics: the series of patch gdn-output-prealloc are left out: metric_families "
                       "failed: KeyError: 'rows'"], warned
 
+
+
+def test_the_buffers_bucket_edges_come_from_the_patch_s_hook(tmp_path, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    """The GDN buffers' rows are edges of the histogram because gdn-output-prealloc says so (its hook
+    bucket_edges, declared in its spec): metrics.py reads no `buffers` row itself. A hook that fails
+    leaves out its edges alone (the engine limits' and the settings' stay), with one WARNING naming
+    the patch for that error however often /metrics is scraped."""
+    import ast
+
+    from vllm_overlay.patches import _gdn_metrics, gdn_output_prealloc
+
+    assert [m.SPEC.id for m in metrics.hook_modules("bucket_edges")] == ["gdn-output-prealloc"]
+    reports = exposition_reports()
+    assert gdn_output_prealloc.bucket_edges(reports) == {3000, 5000, 2600}
+    source = open(metrics.__file__).read()
+    keys = {n.value for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    assert "buffers" not in keys and "rows" not in keys
+    for rep in reports:
+        write(tmp_path, rep)
+
+    def broken(reports):  # type: ignore[no-untyped-def]
+        raise TypeError("rows")
+
+    monkeypatch.setattr(_gdn_metrics, "bucket_edges", broken)
+    texts = [exposition(tmp_path, "srv-e") for _ in range(2)]
+    for text in texts:
+        edges = set(metrics_text.parse(text).buckets)
+        assert not {2600, 5000} & edges and {1000, 1500, 1800, 3000} <= edges, sorted(edges)
+        assert 'vllm_overlay_gdn_buffer_rows{' in text  # its series stay
+    warned = [r.getMessage() for r in caplog.records if "bucket_edges failed" in r.getMessage()]
+    assert warned == ["/metrics: the bucket edges of patch gdn-output-prealloc are left out: bucket_edges "
+                      "failed: TypeError: rows"], warned
 
 def test_a_malformed_report_is_skipped_and_named_and_the_others_stay(tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
     write(tmp_path, report(11, "srv-a", {5: 1}, buffers="not a list"))

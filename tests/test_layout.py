@@ -1,7 +1,8 @@
-"""docs/architecture.md and CONTRIBUTING.md describe the layout as it is: every file and folder their text
-diagrams name exists (the runtime under src/vllm_overlay/, the tools under src/vllm_overlay/tools/, or the
-project root), every path they write in backticks exists in the project, and the layers' diagram fits on
-one screen."""
+"""The layout, and the docs that describe it: docs/architecture.md and CONTRIBUTING.md name only files that
+exist (every file and folder of their text diagrams, under src/vllm_overlay/ for the runtime,
+src/vllm_overlay/tools/ for the tools, or the project root, and every path they write in backticks), the
+layers' diagram fits on one screen, and the serving-stack driver bench/stack/ is a package of files that
+each say what they hold, none of 600 lines or more."""
 
 from __future__ import annotations
 
@@ -80,3 +81,17 @@ def test_every_path_in_backticks_exists() -> None:
 def test_the_check_sees_a_name_that_does_not_exist() -> None:
     assert _exists("core.py") and _exists("cli/main.py") and _exists("bench/stack/") and _exists("patches/*.py")
     assert not _exists("kernels/tq_reference.py") and not _exists("no_such_module.py")
+
+
+STACK_FILES = ("server", "measure", "collect", "verdicts", "schedule", "cli")
+
+
+def test_the_stack_driver_is_a_package_of_small_named_files() -> None:
+    folder = os.path.join(ROOT, "bench", "stack")
+    assert os.path.isfile(os.path.join(folder, "__init__.py"))
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".py"))
+    assert {f"{n}.py" for n in STACK_FILES} <= set(files), files
+    sizes = {f: sum(1 for _ in open(os.path.join(folder, f), encoding="utf-8")) for f in files}
+    assert all(n < 600 for n in sizes.values()), sizes
+    with open(os.path.join(ROOT, "bench", "stack.py"), encoding="utf-8") as f:  # the script's path, kept
+        assert sum(1 for _ in f) < 600

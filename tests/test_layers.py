@@ -1,8 +1,10 @@
 """The runtime and the tools apart: what every vLLM process loads (register(), core, the patches and
 what they import) never imports a tool module (vllm_overlay.tools, the former-path forward
 vllm_overlay.cli, python -m vllm_overlay) nor rich, which only the tools use (the tools extra); no
-patch imports core back. Read two ways: the imports written in every runtime file, and the modules a
-real engine's process holds after serving a request."""
+patch reaches core back through any chain of imports (the runtime's import graph, imports inside
+functions and names importlib loads included), and core reaches the patches only through the registry.
+Read two ways: the imports written in every runtime file, and the modules a real engine's process holds
+after serving a request."""
 
 from __future__ import annotations
 
@@ -24,8 +26,8 @@ TOOLS = ("vllm_overlay.tools", "vllm_overlay.cli", "vllm_overlay.__main__")
 TOOL_ONLY = ("rich",)  # third-party packages of the tools extra
 
 
-def _module(path: str) -> str:
-    rel = os.path.relpath(path, SRC)[: -len(".py")].replace(os.sep, ".")
+def _module(path: str, src: str = SRC) -> str:
+    rel = os.path.relpath(path, src)[: -len(".py")].replace(os.sep, ".")
     return rel[: -len(".__init__")] if rel.endswith(".__init__") else rel
 
 
@@ -109,6 +111,126 @@ def test_no_patch_imports_core() -> None:
            for line, name in imported_names(path) if _is(name, ("vllm_overlay.core",))]
     assert not bad, "; ".join(bad)
 
+
+
+# The import graph of the runtime, read from its files: an edge for every import written at any depth
+# (inside functions too: those run when the function is called) and every string naming a module
+# (what importlib loads). ``from P import name`` is an edge to P.name where that is a module, else to
+# P. Importing a module runs its packages' __init__ first: a package is entered at import time only
+# (its module-level imports), never through its functions (vllm_overlay/__init__.py's register() is
+# the entry point vLLM calls, which nothing of the runtime calls).
+def import_graph(modules: dict[str, str], src: str = SRC) -> dict[str, set[str]]:
+    """{module: the modules it reaches in one step} for ``modules`` ({name: path under ``src``})."""
+    def resolve(path: str, module_level: bool) -> set[str]:
+        tree = ast.parse(open(path).read(), path)
+        here = _module(path, src).split(".")
+        package = here if path.endswith("__init__.py") else here[:-1]
+        names: set[str] = set()
+        for node in (tree.body if module_level else ast.walk(tree)):
+            if isinstance(node, ast.Import):
+                names |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+                names |= {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names}
+            elif (not module_level and isinstance(node, ast.Constant) and isinstance(node.value, str)
+                  and node.value.startswith("vllm_overlay.")):
+                names.add(node.value.split(":")[0])
+        out = set()
+        for name in names:
+            while name not in modules and "." in name:
+                name = name.rsplit(".", 1)[0]
+            if name in modules:
+                out.add(name)
+        return out
+
+    packages = {m for m, path in modules.items() if path.endswith("__init__.py")}
+    graph = {m: (resolve(path, module_level=m in packages)) for m, path in modules.items()}
+    for m in modules:  # importing m runs the __init__ of each package above it
+        parts = m.split(".")
+        graph[m] |= {".".join(parts[:i]) for i in range(1, len(parts))} & packages
+        graph[m].discard(m)
+    return graph
+
+
+def path_to(graph: dict[str, set[str]], start: str, goal: str) -> list[str] | None:
+    """The shortest chain of imports from ``start`` to ``goal``, or None."""
+    prev: dict[str, str | None] = {start: None}
+    todo = [start]
+    while todo:
+        nxt = []
+        for m in todo:
+            for n in sorted(graph.get(m, ())):
+                if n not in prev:
+                    prev[n] = m
+                    nxt.append(n)
+        todo = nxt
+    if goal not in prev:
+        return None
+    chain = [goal]
+    while (before := prev[chain[-1]]) is not None:
+        chain.append(before)
+    return chain[::-1]
+
+
+def runtime_graph() -> dict[str, set[str]]:
+    return import_graph({_module(f): f for f in runtime_files()})
+
+
+CORE = "vllm_overlay.core"
+PATCHES = "vllm_overlay.patches"
+# the runtime modules besides the registry that name a patch module, each with why: anything else
+# that reaches a patch goes through registry.PATCH_MODULES
+NAMES_PATCHES = {
+    "vllm_overlay.report": "report.SECTIONS: the owners of the report's sections, imported so every report "
+                           "carries every key",
+    "vllm_overlay.settings": "the check of VLLM_OVERLAY_DECODE_GEMV_CONFIGS parses the file with "
+                             "patches/decode_gemv.py's load_table",
+}
+
+
+def test_no_chain_of_imports_leads_from_a_patch_to_core() -> None:
+    """Seen or hidden: no patch module, nor anything it imports at any depth (inside functions, through
+    importlib), reaches core. Core hands the patches what they need (PatchContext, through the hook bind)."""
+    graph = runtime_graph()
+    patches = [m for m in graph if _is(m, (PATCHES,))]
+    assert len(patches) > 10 and CORE in graph
+    chains = {m: chain for m in patches if (chain := path_to(graph, m, CORE))}
+    assert not chains, "; ".join(" -> ".join(c) for c in chains.values())
+
+
+def test_core_reaches_the_patches_only_through_the_registry() -> None:
+    """core.py names no patch module (it imports registry.PATCH_MODULES' names); besides the registry,
+    only the modules of NAMES_PATCHES name one, each for the reason given."""
+    graph = runtime_graph()
+    assert {m for m in graph[CORE] if _is(m, (PATCHES,))} == set()
+    assert "vllm_overlay.registry" in graph[CORE]
+    naming = {m for m, out in graph.items() if not _is(m, (PATCHES,)) and any(_is(n, (PATCHES,)) for n in out)}
+    assert naming == {"vllm_overlay.registry", *NAMES_PATCHES}, sorted(naming)
+
+
+def test_the_graph_sees_a_cycle_hidden_in_a_function_or_a_string(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    pkg = tmp_path / "vllm_overlay"
+    (pkg / "patches").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("def register():\n    from vllm_overlay.core import go\n")
+    (pkg / "core.py").write_text("from vllm_overlay import registry\n")
+    (pkg / "registry.py").write_text("PATCH_MODULES = ('vllm_overlay.patches.a',)\n")
+    (pkg / "helper.py").write_text("import importlib\ndef later():\n    importlib.import_module('vllm_overlay.core')\n")
+    (pkg / "patches" / "__init__.py").write_text("")
+    (pkg / "patches" / "a.py").write_text("from vllm_overlay import __version__\ndef f():\n"
+                                          "    from vllm_overlay.helper import later\n")
+    files = {"vllm_overlay": pkg / "__init__.py", "vllm_overlay.core": pkg / "core.py",
+             "vllm_overlay.registry": pkg / "registry.py", "vllm_overlay.helper": pkg / "helper.py",
+             "vllm_overlay.patches": pkg / "patches" / "__init__.py", "vllm_overlay.patches.a": pkg / "patches" / "a.py"}
+    graph = import_graph({m: str(p) for m, p in files.items()}, str(tmp_path))
+    assert path_to(graph, "vllm_overlay.patches.a", CORE) == [
+        "vllm_overlay.patches.a", "vllm_overlay.helper", CORE]
+    # the package is entered at import time only: register()'s import of core is no edge
+    assert CORE not in graph["vllm_overlay"]
+    (pkg / "helper.py").write_text("def later():\n    pass\n")
+    graph = import_graph({m: str(p) for m, p in files.items()}, str(tmp_path))
+    assert path_to(graph, "vllm_overlay.patches.a", CORE) is None
 
 MUTATORS = ("append", "extend", "update", "setdefault", "pop", "clear", "insert", "remove")
 

@@ -158,7 +158,7 @@ def test_each_patch_s_own_families_come_from_its_hook(tmp_path, monkeypatch, cap
     the patch for that error however often /metrics is scraped."""
     from vllm_overlay.patches import _gdn_metrics, gdn_output_prealloc
 
-    assert [m.SPEC.id for m in metrics.hook_modules()] == ["gdn-output-prealloc"]
+    assert [m.SPEC.id for m in metrics.hook_modules("metric_families")] == ["gdn-output-prealloc"]
     rep = report(11, "srv-a", {5: 1})
     assert [f.name for f in gdn_output_prealloc.metric_families([rep])] == [
         "vllm_overlay_gdn_buffer_rows", "vllm_overlay_gdn_buffer_bytes"]
@@ -174,6 +174,38 @@ def test_each_patch_s_own_families_come_from_its_hook(tmp_path, monkeypatch, cap
     assert warned == ["/metrics: the series of patch gdn-output-prealloc are left out: metric_families "
                       "failed: KeyError: 'rows'"], warned
 
+
+
+def test_the_buffers_bucket_edges_come_from_the_patch_s_hook(tmp_path, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    """The GDN buffers' rows are edges of the histogram because gdn-output-prealloc says so (its hook
+    bucket_edges, declared in its spec): metrics.py reads no `buffers` row itself. A hook that fails
+    leaves out its edges alone (the engine limits' and the settings' stay), with one WARNING naming
+    the patch for that error however often /metrics is scraped."""
+    import ast
+
+    from vllm_overlay.patches import _gdn_metrics, gdn_output_prealloc
+
+    assert [m.SPEC.id for m in metrics.hook_modules("bucket_edges")] == ["gdn-output-prealloc"]
+    reports = exposition_reports()
+    assert gdn_output_prealloc.bucket_edges(reports) == {3000, 5000, 2600}
+    source = open(metrics.__file__).read()
+    keys = {n.value for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    assert "buffers" not in keys and "rows" not in keys
+    for rep in reports:
+        write(tmp_path, rep)
+
+    def broken(reports):  # type: ignore[no-untyped-def]
+        raise TypeError("rows")
+
+    monkeypatch.setattr(_gdn_metrics, "bucket_edges", broken)
+    texts = [exposition(tmp_path, "srv-e") for _ in range(2)]
+    for text in texts:
+        edges = set(metrics_text.parse(text).buckets)
+        assert not {2600, 5000} & edges and {1000, 1500, 1800, 3000} <= edges, sorted(edges)
+        assert 'vllm_overlay_gdn_buffer_rows{' in text  # its series stay
+    warned = [r.getMessage() for r in caplog.records if "bucket_edges failed" in r.getMessage()]
+    assert warned == ["/metrics: the bucket edges of patch gdn-output-prealloc are left out: bucket_edges "
+                      "failed: TypeError: rows"], warned
 
 def test_a_malformed_report_is_skipped_and_named_and_the_others_stay(tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
     write(tmp_path, report(11, "srv-a", {5: 1}, buffers="not a list"))
@@ -452,3 +484,43 @@ def test_each_new_failure_of_a_report_is_logged_again(tmp_path, caplog) -> None:
     assert 'why="no integer pid"' in text and metrics_text.parse(text).band(1024, 2048) == 2
     os.unlink(bad)
     assert "report_skipped_info{" not in generate_latest(reg).decode()
+
+
+# Reports whose /metrics text is kept in tests/data/metrics_exposition.txt: one server's processes (an
+# engine core, two worker ranks), GDN buffers of several sizes (one larger than the
+# batch, one without rows, one keyed the older way without its engine), a profile cap and a budget a
+# setting requested. The text was written by the collector before the buffers' bucket edges moved to
+# gdn-output-prealloc's hook: the same reports must keep giving the same bytes.
+EXPOSITION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "metrics_exposition.txt")
+
+
+def exposition_reports() -> list[dict]:  # type: ignore[type-arg]
+    core_rep = report(31, "srv-e", {}, tp_rank=None, role="engine core", buffers=[],
+                      patches={"forward-telemetry": {"status": "applied"},
+                               "gdn-output-prealloc": {"status": "armed",
+                                                       "pending_modules": ["vllm.v1.worker.gpu_model_runner"]}})
+    core_rep["engine_config"]["profile_run_cap"] = 1000
+    rank0 = report(32, "srv-e", {5: 3, 700: 2, 1200: 4, 2999: 1}, tp_rank=0,
+                   budgets=[{"purpose": "gdn_output", "value": 3000, "requested": 1800, "raised": True, "floor": 3000,
+                             "source": "floor: the model runner's max_num_tokens",
+                             "requested_source": "env VLLM_OVERLAY_PREALLOC_TOKEN_BUDGET"}])
+    rank0["buffers"].append({"key": ["config-7fdda29fb7d0", "cpu", "torch.bfloat16", 8, 128], "rows": 5000,
+                             "source": "env VLLM_OVERLAY_TEST_BUFFER_ROWS", "bytes": 10240000, "layers": 1})
+    rank1 = report(33, "srv-e", {5: 3, 700: 2, 1200: 4, 2999: 1}, tp_rank=1,
+                   buffers=[{"key": ["cpu", "torch.float16", 4, 64], "engine": "config-0123456789ab", "rows": 2600,
+                             "source": "live", "bytes": 1331200, "layers": 3},
+                            {"key": ["config-0123456789ab", "cpu", "torch.float16", 4, 64], "source": "live",
+                             "bytes": 0, "layers": 0}])
+    return [core_rep, rank0, rank1]
+
+
+def test_the_exposition_of_fixed_reports_is_unchanged(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Byte for byte, the /metrics text of the reports above (this process's own report-writing sample
+    aside: it comes from this process, not from the reports)."""
+    for rep in exposition_reports():
+        write(tmp_path, rep)
+    own = "vllm_overlay_report_write_failing{"
+    text = "".join(line for line in exposition(tmp_path, "srv-e").splitlines(keepends=True) if not line.startswith(own))
+    assert 'le="2600.0"' in text and 'le="5000.0"' in text  # the buffers' rows are bucket edges
+    with open(EXPOSITION) as f:
+        assert text == f.read()

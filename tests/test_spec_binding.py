@@ -116,3 +116,39 @@ def test_why_from_joins_paragraphs_two_and_three_with_whitespace_normalised() ->
         why_from("title only")
     with pytest.raises(ValueError, match="expected a module docstring"):
         why_from(None)
+
+
+def test_every_patch_module_reads_docstring_then_spec_then_behaviour() -> None:
+    """Each registry patch module: its docstring first; every Target constant before the SPEC (or the
+    function that builds a lazy SPEC, compile-cache-key's _spec); every function bound with @wraps after
+    it; a function before the SPEC only where the SPEC's own data calls it (traced_settings, _edit)."""
+    import ast
+    import importlib
+
+    from vllm_overlay.registry import PATCH_MODULES
+
+    problems = []
+    for name in PATCH_MODULES:
+        path = importlib.import_module(name).__file__
+        assert path is not None
+        tree = ast.parse(open(path).read(), path)
+        if not (ast.get_docstring(tree) or "").strip() or not isinstance(tree.body[0], ast.Expr):
+            problems.append(f"{name}: no docstring first")
+        spec = next((n for n in tree.body if (isinstance(n, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "SPEC" for t in n.targets))
+            or (isinstance(n, ast.FunctionDef) and n.name == "_spec")), None)
+        if spec is None:
+            problems.append(f"{name}: no SPEC")
+            continue
+        before = tree.body[: tree.body.index(spec) + 1]
+        called = {n.func.id for node in before if not isinstance(node, ast.FunctionDef) or node is spec
+                  for n in ast.walk(node) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and ast.unparse(node.value.func) == "Target" \
+                    and node.lineno > spec.lineno:
+                problems.append(f"{name}:{node.lineno}: a Target after the SPEC")
+            if isinstance(node, ast.FunctionDef):
+                bound = any(ast.unparse(d).startswith("wraps(") for d in node.decorator_list)
+                if node.lineno < spec.lineno and (bound or node.name not in called):
+                    problems.append(f"{name}:{node.lineno}: {node.name} before the SPEC")
+    assert not problems, problems

@@ -24,7 +24,10 @@ Series (all prefixed ``vllm_overlay_``):
 - ``guard_checks_total`` / ``guard_trips_total`` counters, per process (``role``, ``pid``).
 - ``gdn_buffer_rows`` / ``gdn_buffer_bytes`` gauges, per buffer and process: the families of patch
   gdn-output-prealloc (``patches/_gdn_metrics.py``), like every patch's own, come from the patch's
-  hook ``metric_families(reports)`` (``PatchSpec.hooks``), called at each scrape.
+  hook ``metric_families(reports)`` (``PatchSpec.hooks``), called at each scrape; the histogram's
+  edges from the data a patch owns (the GDN buffer rows) from its hook ``bucket_edges(reports)``.
+  This module reads no section a patch owns: it reaches patches through the registry and their
+  declared hooks, never by importing one.
 - ``patch_info`` (``patch``, ``status``, ``role``, ``pid``, ``waiting_for``): one series per patch and
   process; ``worker-only`` where a process that is no worker holds a patch armed for modules only
   workers import (``reports.shown_status``), ``waiting_for`` the modules an armed patch waits for.
@@ -146,7 +149,8 @@ def recorded_edges(rep: dict[str, Any]) -> set[int]:
 
 def bucket_edges(reports: list[dict[str, Any]]) -> list[int]:
     """Powers of two plus this server's own band edges (see the module docstring), all read from
-    the reports."""
+    the reports: the engine limits and settings' edges here, those of the data a patch owns (the GDN
+    buffers' rows) from that patch's hook ``bucket_edges`` (``patch_edges``)."""
     edges = set(POW2_EDGES)
     tops: set[int] = set()
     lows: set[int] = set()
@@ -156,10 +160,10 @@ def bucket_edges(reports: list[dict[str, Any]]) -> list[int]:
             edges.update((mnbt, mnbt // 2))
             tops.add(mnbt)
             lows.add(mnbt // 2)
-        edges.update(int(b["rows"]) for b in rep.get("buffers", []) if b.get("rows"))
         recorded = recorded_edges(rep)
         edges.update(recorded)
         lows.update(recorded)
+    edges.update(patch_edges(reports))
     # the quarter edges of the stress's default bands, (low, mnbt], so /metrics counts each quarter
     for top in tops:
         for low in lows:
@@ -268,27 +272,43 @@ def patch_families(reports: list[dict[str, Any]]) -> Iterator[Any]:
     the workers). A hook that fails is one WARNING per distinct error, naming the patch; the other
     series stay."""
     for mod in hook_modules():
-        try:
-            out = list(mod.metric_families(reports))
-        except Exception as exc:  # noqa: BLE001 - one patch's series never break the others
-            text = f"{mod.SPEC.id}: {type(exc).__name__}: {exc}"
-            if text not in _hook_warned:
-                _hook_warned.add(text)
-                LOG.warning("/metrics: the series of patch %s are left out: metric_families failed: %s: %s",
-                            mod.SPEC.id, type(exc).__name__, exc)
-            continue
-        yield from out
+        yield from _call_hook(mod, "metric_families", reports, "series")
+
+
+def patch_edges(reports: list[dict[str, Any]]) -> set[int]:
+    """The histogram's edges from the data each patch owns: every registry patch whose spec declares
+    the hook ``bucket_edges`` is called with the reports, as ``patch_families``. A hook that fails is
+    one WARNING per distinct error, naming the patch; the other edges stay."""
+    out: set[int] = set()
+    for mod in hook_modules("bucket_edges"):
+        out.update(int(e) for e in _call_hook(mod, "bucket_edges", reports, "bucket edges"))
+    return out
+
+
+def _call_hook(mod: Any, hook: str, reports: list[dict[str, Any]], what: str) -> list[Any]:
+    """What ``mod``'s hook gives for ``reports``, as a list; [] and one WARNING per distinct error
+    when it fails."""
+    try:
+        return list(getattr(mod, hook)(reports))
+    except Exception as exc:  # noqa: BLE001 - one patch's series never break the others
+        text = f"{mod.SPEC.id}: {hook}: {type(exc).__name__}: {exc}"
+        if text not in _hook_warned:
+            _hook_warned.add(text)
+            LOG.warning("/metrics: the %s of patch %s are left out: %s failed: %s: %s",
+                        what, mod.SPEC.id, hook, type(exc).__name__, exc)
+        return []
 
 
 _hook_warned: set[str] = set()
 
 
-def hook_modules() -> list[Any]:
-    """The registry's patch modules that declare the hook ``metric_families``, in apply order."""
+def hook_modules(hook: str = "metric_families") -> list[Any]:
+    """The registry's patch modules whose spec declares ``hook`` (``metric_families`` or
+    ``bucket_edges``), in apply order. Patches are reached through the registry, never imported by name."""
     from vllm_overlay.registry import PATCH_MODULES
 
     mods = [importlib.import_module(name) for name in PATCH_MODULES]
-    return [m for m in mods if "metric_families" in m.SPEC.hooks]
+    return [m for m in mods if hook in m.SPEC.hooks]
 
 
 def write_families() -> Iterator[Any]:

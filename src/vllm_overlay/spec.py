@@ -26,7 +26,7 @@ BEYOND_MATRIX = ("", "carry", "never")  # PatchSpec.beyond_matrix ("": undeclare
 # a patch armed in another process (API server, engine core) that waits only for these acts in the workers,
 # and reports say so (reports.shown_status) instead of "armed" forever.
 WORKER_MODULES = ("vllm.v1.worker.", "vllm.model_executor.layers.")
-HOOKS = ("prepare", "on_revert", "bind", "metric_families")  # the patch-module functions a spec may declare (PatchSpec.hooks)
+HOOKS = ("prepare", "on_revert", "bind", "metric_families", "bucket_edges")  # the patch-module functions a spec may declare (PatchSpec.hooks)
 
 
 Wrapper = Callable[[Any, Any, tuple[Any, ...], dict[str, Any]], Any]  # wrapt's (wrapped, instance, args, kwargs)
@@ -214,7 +214,9 @@ class PatchSpec:
     # process's context.PatchContext, before its first target is installed: a patch reads the other
     # patches through it, never through core) and "metric_families" (metric_families(reports): the
     # /metrics families the patch owns, built from the server's reports; metrics.py calls it in the
-    # API server at every scrape, whatever the patch's status there); a module defining one must
+    # API server at every scrape, whatever the patch's status there) and "bucket_edges"
+    # (bucket_edges(reports): the token counts of the reports' data the patch owns that must be edges
+    # of the forward-size histogram, called like metric_families); a module defining one must
     # declare it
     hooks: tuple[str, ...] = ()
     # ids of the patches whose wrappers this one's enclose on every vLLM function both change (this

@@ -1,7 +1,9 @@
 """gdn-output-prealloc's series on /metrics: ``vllm_overlay_gdn_buffer_rows`` and
 ``vllm_overlay_gdn_buffer_bytes``, one per buffer and process, built from the ``buffers`` each
-process's report lists. The patch declares the hook ``metric_families``; the API server's collector
-(metrics.py) calls it at every scrape with the server's reports."""
+process's report lists, and the buffers' rows as edges of the forward-size histogram (a forward
+larger than a buffer trips its guard: the edge tells those forwards apart). The patch declares the
+hooks ``metric_families`` and ``bucket_edges``; the API server's collector (metrics.py) calls them at
+every scrape with the server's reports."""
 
 from __future__ import annotations
 
@@ -20,6 +22,11 @@ def buffer_labels(buf: dict[str, Any]) -> list[str]:
         key = [str(buf.get("engine", "")), *key]
     key = (key + ["", "", "", "", ""])[:5]
     return [key[0], key[1], key[2], f"{key[3]}x{key[4]}", str(buf.get("source", ""))]
+
+
+def bucket_edges(reports: list[dict[str, Any]]) -> set[int]:
+    """The rows of every buffer the reports list (a buffer without rows gives none)."""
+    return {int(b["rows"]) for rep in reports for b in rep.get("buffers", []) if b.get("rows")}
 
 
 def families(reports: list[dict[str, Any]]) -> Iterator[Any]:

@@ -161,7 +161,7 @@ WORKER_EXECUTE = Target(WORKER_MODULE, f"{WORKER}.execute_model", params=("sched
 
 SPEC = PatchSpec(
     id="gdn-output-prealloc",
-    hooks=("on_revert", "metric_families"),
+    hooks=("on_revert", "metric_families", "bucket_edges"),
     title="GDN output buffer sized by the token-budget resolver, guarded outside compiled code",
     why=why_from(__doc__),
     upstream="https://github.com/vllm-project/vllm/pull/28182 (why the buffer must be zeroed)",
@@ -525,3 +525,8 @@ def on_revert() -> None:
 def metric_families(reports: list[dict[str, Any]]) -> Any:
     """This patch's series on /metrics (the buffers each process reported): ``_gdn_metrics.py``."""
     return _gdn_metrics.families(reports)
+
+
+def bucket_edges(reports: list[dict[str, Any]]) -> Any:
+    """The buffers' rows, edges of the forward-size histogram on /metrics: ``_gdn_metrics.py``."""
+    return _gdn_metrics.bucket_edges(reports)

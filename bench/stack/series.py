@@ -134,8 +134,12 @@ SERIES["memory"] = {
 # vLLM's AWQ / Marlin MoE path) with TurboQuant + MTP (band stress); bf16 KV without MTP, overlay and stock
 # vLLM, decode steps of 1 and 16 streams (each run alone on its GPU: no other server of the series boots or
 # serves traffic meanwhile); the forced 4096-row buffer (expected: the overlay's CapacityError).
+# q35-tq-mtp and q35-forced-guard: the same two questions (band stress; the forced buffer) on the Qwen3.5-MoE class
+# (models/qwen35moe-35b-a3b-slice8.json), whose GDN layers vLLM 0.34.0 puts on the fused spec-decode path with MTP
+# (the slice's Qwen3-Next layout falls back to Triton there, so gdn-output-prealloc buffered nothing on it).
 # max_num_seqs 512: a KV cache of 2.5 GiB then holds enough Mamba blocks (vLLM wants one per sequence), so
 # seven servers fit one H200 side by side (--fixed-kv 2684354560).
+QWEN35 = "qwen35moe-35b-a3b-slice8"  # the slice's sizes as Qwen3_5MoeForCausalLM
 SERIES["release"] = {
     "boot": "--config overlay --model qwen36-35b-a3b-slice8 --kv turboquant_k8v4 --max-capture 128 "
             "--max-num-seqs 512",
@@ -158,7 +162,13 @@ SERIES["release"] = {
               # MTP 3: from vLLM 0.34.0 only the GDN layers on the fused spec-decode path (MTP) get the buffer
               ("forced-guard", "--config forced-guard --kv auto --mtp 3 --kv-bytes 2684354560", ("guard",)),
               ("tq-cont-off", f"--mtp 0 {CONTINUATION_BOOT} --overlay-env VLLM_OVERLAY_DISABLE={CONT_PATCH}",
-               ("continuation",))],
+               ("continuation",)),
+              # the same sizes in the Qwen3.5-MoE class (Qwen3_5MoeForCausalLM, qwen3_5_mtp drafting): from vLLM
+              # 0.34.0 its GDN layers (non-interleaved) take the fused spec-decode path with MTP, the one that still
+              # zeros per forward, and on CUDA it runs eagerly with breakable CUDA graphs (no torch.compile)
+              ("q35-tq-mtp", f"--model {QWEN35} --mtp 3 --spec-method mtp", ("stress",)),
+              ("q35-forced-guard", f"--config forced-guard --model {QWEN35} --kv auto --mtp 3 --spec-method mtp "
+                                   "--kv-bytes 2684354560", ("guard",))],
 }
 
 

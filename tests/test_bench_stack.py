@@ -604,3 +604,16 @@ def test_release_verdict_names_the_qwen35_runs_and_its_forced_guard() -> None:
     assert "q35-forced-guard (V2): stopped at boot with the overlay's CapacityError (as expected)" in lines, lines
     assert not any("never served" in x for x in lines), lines
 
+
+def test_memory_034_compares_the_extensible_kv_cache_with_profiling_sizing() -> None:
+    """vLLM 0.34.0's memory series: its default (extensible KV cache on, utilization 1.0) and the extensible KV
+    cache off with memory-headroom on and in dry run, TurboQuant k8v4 at mnbt 16384, no V1 label."""
+    spec = series.SERIES["memory-034"]
+    boots = {label: parse(["boot", label, *shlex.split(spec["boot"]), "--mem", "0.97", *shlex.split(boot)])
+             for label, boot, _ in schedule.series_items(spec)}
+    assert {x: (b.mem, b.kv, b.mnbt, b.mtp, b.extra, b.overlay_env) for x, b in boots.items()} == {
+        "xkv-default": (1.0, "turboquant_k8v4", 16384, 0, "", None),
+        "noxkv-headroom": (0.97, "turboquant_k8v4", 16384, 0, "--no-enable-extensible-kv-cache", None),
+        "noxkv-vllm": (0.97, "turboquant_k8v4", 16384, 0, "--no-enable-extensible-kv-cache",
+                       "VLLM_OVERLAY_MEMORY_HEADROOM_DRY_RUN=1")}
+    assert not any("VLLM_USE_V2_MODEL_RUNNER" in str(b.env) for b in boots.values())

@@ -127,6 +127,35 @@ SERIES["memory"] = {
               ("bf16-8k-vllm", "--kv auto --mnbt 8192 "
                                "--overlay-env 'GENESIS_PROFILE_RUN_CAP_M=0 VLLM_OVERLAY_MEMORY_HEADROOM_DRY_RUN=1'")],
 }
+# memory-034: the memory question on vLLM 0.34.0, where Model Runner V1 is gone (the memory series' tq16k-mtp-v1
+# cannot boot) and the extensible KV cache is vLLM's default on CUDA: sized after warm-up steps of real
+# execute_model at max_num_batched_tokens, keeping their measured peak plus max(1 GiB, 0.75 x peak) free, not by
+# profiling (memory-headroom then stands aside and says so). TurboQuant k8v4 at mnbt 16384 as the 0.33.0 run:
+# xkv-default is vLLM's default (extensible KV cache on, gpu_memory_utilization 1.0, its default there: a value
+# below 1.0 only caps the measured sizing); the two others turn the extensible KV cache off
+# (--no-enable-extensible-kv-cache: profiling sizes the KV cache as on 0.33.0) at 0.97 as the 0.33.0 run,
+# memory-headroom on and in dry run (vLLM's sizing, with the patch's line and runtime watch). Sized for one H100
+# 80GB, one server at a time (`--gpus 0`): one cold compile (xkv-default) and two warm boots (the extensible KV
+# cache, gpu_memory_utilization and memory-headroom's dry run are outside vLLM's compile-cache key), about 13
+# minutes in all (bench/README.md says how that was estimated). The dry run leaves out `longest` ("mixed" carries
+# the longest prompt too).
+SERIES["memory-034"] = {
+    "boot": "--config overlay --model qwen36-35b-a3b-slice8 --mtp 0 --max-capture 128 --kv turboquant_k8v4 "
+            "--mnbt 16384",
+    "memory": SERIES["memory"]["memory"],
+    "least_budget_s": SERIES["memory"]["least_budget_s"],
+    "mem_total": 0.97,
+    "profile_alone": True,  # only where servers share a GPU (`--gpus 0,0`)
+    "do": ("memory",),
+    "fallbacks": ("headroom",),
+    "verdict": memory_verdict,
+    "warm_groups": (("xkv-default", "noxkv-headroom", "noxkv-vllm"),),
+    "memory_by_label": {"noxkv-vllm": "--phases band,burst,mixed"},
+    "items": [("xkv-default", "--mem 1.0"),
+              ("noxkv-headroom", "--extra=--no-enable-extensible-kv-cache"),
+              ("noxkv-vllm", "--extra=--no-enable-extensible-kv-cache "
+                             "--overlay-env VLLM_OVERLAY_MEMORY_HEADROOM_DRY_RUN=1")],
+}
 # release: the bug report's stack on one release, Model Runner as the release chooses it (no
 # VLLM_USE_V2_MODEL_RUNNER: V2 for every model from 0.29.0), on the 35B geometry's first 8 layers.
 # TurboQuant k8v4 + MTP 3 with the overlay (logprobs, then the band stress), the same without MTP and with

@@ -578,3 +578,54 @@ def test_a_second_series_on_the_same_state_folder_is_refused(state) -> None:  # 
     finally:
         held.close()
     series.series_lock().close()  # free again once the first ended
+
+
+def test_model_folder_gives_each_model_class_its_own_mtp_field() -> None:
+    """One MTP layer where MTP drafts from the model's own layer: Qwen3-Next's num_nextn_predict_layers, the
+    Qwen3.5 classes' mtp_num_hidden_layers (vLLM 0.34.0 rewrites those to qwen3_5_mtp with n_predict from it);
+    no MTP leaves both out. Writes the folders stack.py serves (/tmp/vllm-overlay-model-NAME[-mtp])."""
+    for model, field in (("qwen36-35b-a3b-slice8", "num_nextn_predict_layers"),
+                         (series.QWEN35, "mtp_num_hidden_layers")):
+        with_mtp = json.load(open(os.path.join(server.model_folder(model, 3, "mtp"), "config.json")))
+        without = json.load(open(os.path.join(server.model_folder(model, 0, "mtp"), "config.json")))
+        assert with_mtp[field] == 1 and field not in without, model
+        assert not {"num_nextn_predict_layers", "mtp_num_hidden_layers"} - {field} & set(with_mtp), model
+    q35 = json.load(open(os.path.join(BENCH, "models", f"{series.QWEN35}.json")))
+    slice8 = json.load(open(os.path.join(BENCH, "models", "qwen36-35b-a3b-slice8.json")))
+    assert (q35["architectures"], q35["model_type"]) == (["Qwen3_5MoeForCausalLM"], "qwen3_5_moe_text")
+    sizes = ("hidden_size", "num_hidden_layers", "layer_types", "head_dim", "num_attention_heads", "num_key_value_heads",
+             "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads",
+             "num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+             "vocab_size", "dtype", "max_position_embeddings")
+    assert {k: q35[k] for k in sizes} == {k: slice8[k] for k in sizes}
+
+
+def test_release_verdict_names_the_qwen35_runs_and_its_forced_guard() -> None:
+    """The Qwen3.5-MoE labels of series release: the band stress line names the model class, and a label of
+    configuration forced-guard is read as a forced guard whatever its name."""
+    ev = {"built": ["V2"], "guard_checks": 900, "guard_trips": 0, "telemetry_fired": True}
+    runs = {"q35-tq-mtp": {"config": "overlay", "healthy_after_s": 200.0, "runner_evidence": ev,
+                           "vllm_args": {"model": "/tmp/vllm-overlay-model-qwen35moe-35b-a3b-slice8-mtp"},
+                           "stress": {"verdict": "PASSED", "band_forwards": 250, "band": [4096, 8192],
+                                      "requests_ok": 1700, "requests_failed": 0, "max_forward": 8100}},
+            "q35-forced-guard": {"config": "forced-guard", "healthy_after_s": None, "runner_evidence": ev,
+                                 "series": {"expected": "stopped at boot with the overlay's CapacityError (as expected)"}}}
+    lines = verdicts.release_verdict(runs, {})
+    assert any(x.startswith("q35-tq-mtp (Qwen3.5-MoE class, bf16 weights, V2): band stress PASSED: 250 forwards")
+               and "guard checks / trips 900 / 0" in x for x in lines), lines
+    assert "q35-forced-guard (V2): stopped at boot with the overlay's CapacityError (as expected)" in lines, lines
+    assert not any("never served" in x for x in lines), lines
+
+
+def test_memory_034_compares_the_extensible_kv_cache_with_profiling_sizing() -> None:
+    """vLLM 0.34.0's memory series: its default (extensible KV cache on, utilization 1.0) and the extensible KV
+    cache off with memory-headroom on and in dry run, TurboQuant k8v4 at mnbt 16384, no V1 label."""
+    spec = series.SERIES["memory-034"]
+    boots = {label: parse(["boot", label, *shlex.split(spec["boot"]), "--mem", "0.97", *shlex.split(boot)])
+             for label, boot, _ in schedule.series_items(spec)}
+    assert {x: (b.mem, b.kv, b.mnbt, b.mtp, b.extra, b.overlay_env) for x, b in boots.items()} == {
+        "xkv-default": (1.0, "turboquant_k8v4", 16384, 0, "", None),
+        "noxkv-headroom": (0.97, "turboquant_k8v4", 16384, 0, "--no-enable-extensible-kv-cache", None),
+        "noxkv-vllm": (0.97, "turboquant_k8v4", 16384, 0, "--no-enable-extensible-kv-cache",
+                       "VLLM_OVERLAY_MEMORY_HEADROOM_DRY_RUN=1")}
+    assert not any("VLLM_USE_V2_MODEL_RUNNER" in str(b.env) for b in boots.values())

@@ -129,6 +129,35 @@ SERIES["memory"] = {
               ("bf16-8k-vllm", "--kv auto --mnbt 8192 "
                                "--overlay-env 'GENESIS_PROFILE_RUN_CAP_M=0 VLLM_OVERLAY_MEMORY_HEADROOM_DRY_RUN=1'")],
 }
+# memory-034: the memory question on vLLM 0.34.0, where Model Runner V1 is gone (the memory series' tq16k-mtp-v1
+# cannot boot) and the extensible KV cache is vLLM's default on CUDA: sized after warm-up steps of real
+# execute_model at max_num_batched_tokens, keeping their measured peak plus max(1 GiB, 0.75 x peak) free, not by
+# profiling (memory-headroom then stands aside and says so). TurboQuant k8v4 at mnbt 16384 as the 0.33.0 run:
+# xkv-default is vLLM's default (extensible KV cache on, gpu_memory_utilization 1.0, its default there: a value
+# below 1.0 only caps the measured sizing); the two others turn the extensible KV cache off
+# (--no-enable-extensible-kv-cache: profiling sizes the KV cache as on 0.33.0) at 0.97 as the 0.33.0 run,
+# memory-headroom on and in dry run (vLLM's sizing, with the patch's line and runtime watch). Sized for one H100
+# 80GB, one server at a time (`--gpus 0`): one cold compile (xkv-default) and two warm boots (the extensible KV
+# cache, gpu_memory_utilization and memory-headroom's dry run are outside vLLM's compile-cache key), about 13
+# minutes in all (bench/README.md says how that was estimated). The dry run leaves out `longest` ("mixed" carries
+# the longest prompt too).
+SERIES["memory-034"] = {
+    "boot": "--config overlay --model qwen36-35b-a3b-slice8 --mtp 0 --max-capture 128 --kv turboquant_k8v4 "
+            "--mnbt 16384",
+    "memory": SERIES["memory"]["memory"],
+    "least_budget_s": SERIES["memory"]["least_budget_s"],
+    "mem_total": 0.97,
+    "profile_alone": True,  # only where servers share a GPU (`--gpus 0,0`)
+    "do": ("memory",),
+    "fallbacks": ("headroom",),
+    "verdict": memory_verdict,
+    "warm_groups": (("xkv-default", "noxkv-headroom", "noxkv-vllm"),),
+    "memory_by_label": {"noxkv-vllm": "--phases band,burst,mixed"},
+    "items": [("xkv-default", "--mem 1.0"),
+              ("noxkv-headroom", "--extra=--no-enable-extensible-kv-cache"),
+              ("noxkv-vllm", "--extra=--no-enable-extensible-kv-cache "
+                             "--overlay-env VLLM_OVERLAY_MEMORY_HEADROOM_DRY_RUN=1")],
+}
 # release: the bug report's stack on one release, Model Runner as the release chooses it (no
 # VLLM_USE_V2_MODEL_RUNNER: V2 for every model from 0.29.0), on the 35B geometry's first 8 layers.
 # TurboQuant k8v4 + MTP 3 with the overlay (logprobs, then the band stress), the same without MTP and with
@@ -136,8 +165,12 @@ SERIES["memory"] = {
 # vLLM's AWQ / Marlin MoE path) with TurboQuant + MTP (band stress); bf16 KV without MTP, overlay and stock
 # vLLM, decode steps of 1 and 16 streams (each run alone on its GPU: no other server of the series boots or
 # serves traffic meanwhile); the forced 4096-row buffer (expected: the overlay's CapacityError).
+# q35-tq-mtp and q35-forced-guard: the same two questions (band stress; the forced buffer) on the Qwen3.5-MoE class
+# (models/qwen35moe-35b-a3b-slice8.json), whose GDN layers vLLM 0.34.0 puts on the fused spec-decode path with MTP
+# (the slice's Qwen3-Next layout falls back to Triton there, so gdn-output-prealloc buffered nothing on it).
 # max_num_seqs 512: a KV cache of 2.5 GiB then holds enough Mamba blocks (vLLM wants one per sequence), so
 # seven servers fit one H200 side by side (--fixed-kv 2684354560).
+QWEN35 = "qwen35moe-35b-a3b-slice8"  # the slice's sizes as Qwen3_5MoeForCausalLM
 SERIES["release"] = {
     "boot": "--config overlay --model qwen36-35b-a3b-slice8 --kv turboquant_k8v4 --max-capture 128 "
             "--max-num-seqs 512",
@@ -160,7 +193,13 @@ SERIES["release"] = {
               # MTP 3: from vLLM 0.34.0 only the GDN layers on the fused spec-decode path (MTP) get the buffer
               ("forced-guard", "--config forced-guard --kv auto --mtp 3 --kv-bytes 2684354560", ("guard",)),
               ("tq-cont-off", f"--mtp 0 {CONTINUATION_BOOT} --overlay-env VLLM_OVERLAY_DISABLE={CONT_PATCH}",
-               ("continuation",))],
+               ("continuation",)),
+              # the same sizes in the Qwen3.5-MoE class (Qwen3_5MoeForCausalLM, qwen3_5_mtp drafting): from vLLM
+              # 0.34.0 its GDN layers (non-interleaved) take the fused spec-decode path with MTP, the one that still
+              # zeros per forward, and on CUDA it runs eagerly with breakable CUDA graphs (no torch.compile)
+              ("q35-tq-mtp", f"--model {QWEN35} --mtp 3 --spec-method mtp", ("stress",)),
+              ("q35-forced-guard", f"--config forced-guard --model {QWEN35} --kv auto --mtp 3 --spec-method mtp "
+                                   "--kv-bytes 2684354560", ("guard",))],
 }
 
 

@@ -23,6 +23,9 @@ STATE = os.environ.get("STACK_STATE_DIR") or "/tmp/stack"
 GEOMETRY = "qwen36-35b-a3b-geometry"
 MODEL = "/tmp/vllm-overlay-model-qwen36-35b-a3b-geometry-mtp"  # one folder: compile cache hits
 NEXTN_METHODS = ("qwen3_next_mtp", "mtp")  # drafters that need the model's own MTP layer
+# the config field that gives a model its MTP layers: Qwen3-Next's num_nextn_predict_layers; the Qwen3.5 classes read
+# mtp_num_hidden_layers (vLLM 0.34.0's config/speculative.py, where it rewrites them to qwen3_5_mtp)
+NEXTN_FIELD = {"qwen3_5_text": "mtp_num_hidden_layers", "qwen3_5_moe_text": "mtp_num_hidden_layers"}
 CONFIGS = {
     "overlay": {"GENESIS_PROFILE_RUN_CAP_M": "4096"},
     # memory-headroom off in the two red configurations: its boot-time forward of
@@ -133,8 +136,8 @@ def model_folder(model: str, mtp: int, spec_method: str) -> str:
     nextn = bool(mtp) and spec_method in NEXTN_METHODS
     folder = MODEL if (model == GEOMETRY and nextn) else f"/tmp/vllm-overlay-model-{model}{'-mtp' if nextn else ''}"
     cfg = json.load(open(src))
-    if nextn:
-        cfg["num_nextn_predict_layers"] = 1  # one MTP layer: qwen3_next_mtp drafts from it
+    if nextn:  # one MTP layer: the drafter (qwen3_next_mtp, or qwen3_5_mtp for Qwen3.5) drafts from it
+        cfg[NEXTN_FIELD.get(cfg.get("model_type"), "num_nextn_predict_layers")] = 1
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, "config.json")
     try:

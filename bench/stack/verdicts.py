@@ -261,13 +261,15 @@ def release_verdict(runs: dict[str, dict[str, Any]], pairs: dict[str, Any]) -> l
     for name, r in runs.items():
         mark = r.get("series") or {}
         runner = "/".join((r.get("runner_evidence") or {}).get("built") or []) or "unknown runner"
-        weights = "AWQ 4-bit" if "awq" in str((r.get("vllm_args") or {}).get("model")) else "bf16"
-        if r.get("healthy_after_s") is None and name != "forced-guard":
+        model = str((r.get("vllm_args") or {}).get("model"))
+        weights = ("Qwen3.5-MoE class, " if "qwen35moe" in model else "") + ("AWQ 4-bit" if "awq" in model else "bf16")
+        guard = name == "forced-guard" or r.get("config") == "forced-guard"  # expected to stop with CapacityError
+        if r.get("healthy_after_s") is None and not guard:
             out.append(f"{name} ({weights} weights, {runner}): never served: {r.get('failure_class') or '-'}; "
                        + "; ".join((r.get("first_error_lines") or [])[:2]))
             continue
         sv = r.get("stress")
-        if sv and name != "forced-guard":
+        if sv and not guard:
             ev = r.get("runner_evidence") or {}
             band = sv.get("band") or ["?", "?"]
             out.append(f"{name} ({weights} weights, {runner}): band stress {sv.get('verdict')}: {sv.get('band_forwards')} "
@@ -275,8 +277,8 @@ def release_verdict(runs: dict[str, dict[str, Any]], pairs: dict[str, Any]) -> l
                        f"{sv.get('requests_failed')}, largest forward {sv.get('max_forward')}, guard checks / trips "
                        f"{ev.get('guard_checks')} / {ev.get('guard_trips')}, telemetry from the workers: "
                        f"{'yes' if ev.get('telemetry_fired') else 'NO'}")
-        if name == "forced-guard":
-            out.append(f"forced-guard ({runner}): " + (mark.get("expected") or ("FAILED: " + mark["failed"] if
+        if guard:
+            out.append(f"{name} ({runner}): " + (mark.get("expected") or ("FAILED: " + mark["failed"] if
                                                        mark.get("failed") else "not finished")))
     out.extend(continuation_lines(runs))
     ov, st = runs.get("bf16-overlay", {}).get("steps"), runs.get("bf16-stock", {}).get("steps")

@@ -1,4 +1,5 @@
-"""`vllm-overlay` entry point: plan, matrix, verify, doctor, report, stress, demo, tune-moe, serve."""
+"""`vllm-overlay` entry point: plan, matrix, verify, doctor, report, stress, demo, tune-moe, tune-gemv,
+serve."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ class _Formatter(argparse.HelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from vllm_overlay.tools.cli import demo, doctor, matrix, plan, report, serve, stress, tune_moe, verify
+    from vllm_overlay.tools.cli import demo, doctor, matrix, plan, report, serve, stress, tune_gemv, tune_moe, verify
 
     parser = argparse.ArgumentParser(
         prog="vllm-overlay",
@@ -33,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_Formatter,
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for mod in (plan, matrix, verify, doctor, report, stress, demo, tune_moe, serve):
+    for mod in (plan, matrix, verify, doctor, report, stress, demo, tune_moe, tune_gemv, serve):
         mod.add_parser(sub)
     for p in sub.choices.values():
         if p.formatter_class is argparse.HelpFormatter:  # a command's own formatter (raw text, say) stays

@@ -212,6 +212,13 @@ def run(args: argparse.Namespace, timer_factory: Callable[[int], Any] | None = N
         out.line(f"per decode step (these shapes, calls one after another): cuBLAS {step['cublas_us']} us, the "
                  f"table's choice {step['table_us']} us{heur}")
     if decided:
+        if not os.path.lexists(folder):
+            os.makedirs(folder, mode=0o700)  # owner-only, as the default report folder
+        why = _gemv_cache.dir_problem(folder)
+        if why is not None:  # changed while the shapes were timed
+            print(f"vllm-overlay tune-gemv: the cache folder {folder} {why}; the table is not written there",
+                  file=sys.stderr)
+            return BAD_USAGE
         _write(path, data)
         out.line(f"wrote {path}: decode-gemv reads it for {timer.device} on vLLM {vllm} under "
                  "VLLM_OVERLAY_DECODE_GEMV=auto (the default) from the next start")

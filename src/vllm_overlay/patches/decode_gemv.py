@@ -74,7 +74,8 @@ AFTER_LOADING = Target(LINEAR, "UnquantizedLinearMethod.process_weights_after_lo
 
 SPEC = PatchSpec(
     id=PATCH_ID,
-    title="A one-row GEMV for unquantized linear layers at decode (CUDA; by default where a table was measured for the device and release)",
+    title="A one-row GEMV for unquantized linear layers at decode (CUDA; by default where a table measured it: "
+          "vllm-overlay tune-gemv)",
     why=why_from(__doc__),
     upstream="https://github.com/vllm-project/vllm/blob/v0.33.0/vllm/model_executor/layers/utils.py "
              "(default_unquantized_gemm: torch.nn.functional.linear for every unquantized layer on CUDA)",

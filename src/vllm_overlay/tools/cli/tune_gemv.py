@@ -37,8 +37,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                     "cuBLAS and cuBLAS elsewhere, and writes the table for this device and vLLM release into "
                     "~/.cache/vllm-overlay/decode-gemv/ (under $XDG_CACHE_HOME where set), where decode-gemv "
                     "reads it at the next start under VLLM_OVERLAY_DECODE_GEMV=auto. Exit codes: 0 every shape "
-                    "decided, 1 cuBLAS did not run for some shape, 2 bad usage, no CUDA GPU or a refused cache folder, 3 the budget ended before "
-                    "some shape (rerun).")
+                    "decided, 1 cuBLAS did not run for some shape, 2 bad usage, no CUDA GPU or a refused cache "
+                    "folder, 3 the budget ended before some shape (rerun).")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", metavar="DIR", help="a model folder holding config.json (or the config.json file) "
                                                     "of a Qwen3-Next hybrid model: its projection shapes")

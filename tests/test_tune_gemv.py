@@ -418,3 +418,15 @@ def test_the_gpu_script_refuses_bad_settings_before_anything_runs(tmp_path, env,
     p = subprocess.run(["bash", os.path.join(ROOT, "bench", "decode_gemv_auto.sh"), str(out)],
                        capture_output=True, text=True, env={**os.environ, **env}, timeout=60)
     assert p.returncode == 2 and message in p.stderr and not out.exists(), p.stderr
+
+
+def test_every_command_of_the_help_starts_on_its_own_line_with_its_help(monkeypatch, capsys) -> None:
+    """argparse measured command names at the parent's indent: the longest one (tune-gemv) went to a line of
+    its own; every command's line now starts with its name and its help."""
+    monkeypatch.setenv("COLUMNS", "80")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--help"])
+    lines = capsys.readouterr().out.splitlines()
+    for name in ("plan", "matrix", "verify", "doctor", "report", "stress", "demo", "tune-moe", "tune-gemv", "serve"):
+        line = next(ln for ln in lines if ln.strip().split(" ")[0] == name)
+        assert len(line.split()) > 1, line

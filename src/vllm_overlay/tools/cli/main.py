@@ -19,6 +19,16 @@ class _Formatter(argparse.HelpFormatter):
         text = self._whitespace_matcher.sub(" ", text).strip()  # type: ignore[attr-defined]
         return textwrap.wrap(text, width, break_on_hyphens=False, break_long_words=False)
 
+    def add_argument(self, action: argparse.Action) -> None:
+        """argparse measures a command's name at its parent's indent, not at the deeper one it prints it
+        at, so the longest command name (tune-gemv) went to a line of its own: counted here at its own."""
+        super().add_argument(action)
+        subactions = getattr(action, "_get_subactions", None)
+        if action.help is not argparse.SUPPRESS and subactions is not None:
+            longest = max((len(self._format_action_invocation(s)) for s in subactions()), default=0)
+            self._action_max_length = max(self._action_max_length,  # type: ignore[attr-defined]
+                                          longest + self._current_indent + self._indent_increment)  # type: ignore[attr-defined]
+
     def _fill_text(self, text: str, width: int, indent: str) -> str:
         text = self._whitespace_matcher.sub(" ", text).strip()  # type: ignore[attr-defined]
         return textwrap.fill(text, width, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False,

@@ -31,7 +31,7 @@ class TuneGemvUsageError(OverlayError, ValueError):
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser(
-        "tune-gemv", help="measure decode-gemv's table (GEMV or cuBLAS per shape) on this GPU",
+        "tune-gemv", help="decode-gemv's table for this GPU: GEMV or cuBLAS per shape",
         description="Times cuBLAS and the decode-gemv kernel's configs for each one-row projection shape of a "
                     "model on this CUDA GPU within a time budget, keeps the GEMV's fastest config where it beats "
                     "cuBLAS and cuBLAS elsewhere, and writes the table for this device and vLLM release into "

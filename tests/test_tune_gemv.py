@@ -430,3 +430,23 @@ def test_every_command_of_the_help_starts_on_its_own_line_with_its_help(monkeypa
     for name in ("plan", "matrix", "verify", "doctor", "report", "stress", "demo", "tune-moe", "tune-gemv", "serve"):
         line = next(ln for ln in lines if ln.strip().split(" ")[0] == name)
         assert len(line.split()) > 1, line
+
+
+def test_the_docs_the_warning_and_the_gpu_script_name_one_command() -> None:
+    """The command the docs name is the one the stand-aside WARNING names and the one the GPU script runs
+    (as `python -m vllm_overlay`, the same command), with options the parser accepts."""
+    import re
+    import shlex
+
+    pages = {rel: open(os.path.join(ROOT, rel)).read() for rel in ("docs/cli.md", "docs/patches/decode-gemv.md",
+                                                                  "CHANGELOG.md", "bench/README.md")}
+    for rel, text in pages.items():
+        assert "vllm-overlay tune-gemv" in text, rel
+    assert "vllm-overlay tune-gemv --model" in patch.auto_refusal("Some GPU", "0.33.0")
+    script = open(os.path.join(ROOT, "bench", "decode_gemv_auto.sh")).read()
+    runs = re.findall(r'"\$py" -m vllm_overlay (tune-gemv [^\n]*)', script)
+    assert len(runs) == 1
+    argv = [a.replace('"$config"', "M").replace('"$budget"', "300").replace('"$out/gemv-table.json"', "T")
+            for a in shlex.split(runs[0].rstrip("\\ "), posix=False)]
+    args = build_parser().parse_args(argv)
+    assert (args.model, args.budget_s, args.out) == ("M", "300", "T")

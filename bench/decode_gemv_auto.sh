@@ -6,20 +6,22 @@
 # VLLM_CACHE_ROOT, default ~/.cache/vllm) and OUT_DIR/gemv-table.json. Then
 # `bench/stack.py boot` starts stock vLLM (label stock, VLLM_OVERLAY=0) and the overlay with its defaults
 # (label overlay: auto reads that cache) side by side on one GPU, STAGGER s apart, and `bench/pair.py`
-# times their decode steps in alternation (A B, B A, ...: ratio_abba is the figure to quote). Last, the
-# overlay's worker report says whether decode-gemv acted (decode_gemv_calls) and where each shape's
-# config came from; the servers are stopped.
+# times their decode steps in alternation (A B, B A, ...: ratio_abba is the figure to quote); then
+# `stack.py logprobs` on each in turn and `stack.py compare` of the two (greedy tokens and top-20
+# logprobs against stock). Last, the overlay's worker report says whether decode-gemv acted
+# (decode_gemv_calls) and where each shape's config came from; the servers are stopped.
 #
 #   bash bench/decode_gemv_auto.sh [OUT_DIR]
 #
 # Settings (environment): MODEL (a bench/models name or tiny; default qwen36-35b-a3b-slice8: the 35B
 # geometry's shapes in 8 layers, so two servers fit one GPU), BUDGET (300: tune-gemv's --budget-s),
 # TUNE (1; 0 skips tune-gemv: the overlay reads whatever table OUT_DIR/cache holds, none on a first run),
-# STREAMS (1,16), CONTEXTS (2048), TOKENS (128), REPS (8: pairs per point), STAGGER (60), WAIT (900 s for
+# STREAMS (1,16), CONTEXTS (2048), TOKENS (128), REPS (8: pairs per point), PROMPTS (8), LENGTHS
+# (16,512,2048,4000: logprob prompt lengths), LP_TOKENS (16 greedy tokens a prompt), STAGGER (60), WAIT (900 s for
 # a server to serve), PORT0 (8071; stock's, the overlay's PORT0+1), BOOT_EXTRA (stack.py boot's options,
 # default "--kv auto --mtp 0 --max-capture 128 --max-num-seqs 512 --mem 0.05 --kv-bytes 2684354560": the
 # side-by-side recipe of bench/README.md). A bad one stops it before anything runs, naming it.
-# Writes OUT_DIR/tune-gemv.log, OUT_DIR/gemv-table.json, OUT_DIR/pair-stock-overlay.json,
+# Writes OUT_DIR/tune-gemv.log, OUT_DIR/gemv-table.json, OUT_DIR/pair-stock-overlay.json, OUT_DIR/compare.json,
 # OUT_DIR/acted.json (decode-gemv's counters and configs in the overlay's worker report) and the servers'
 # state folders under OUT_DIR/stack. Exit 0 when the pair ran and decode-gemv acted; 1 otherwise.
 set -u -o pipefail
@@ -34,19 +36,23 @@ contexts=${CONTEXTS:-2048}
 tokens=${TOKENS:-128}
 reps=${REPS:-8}
 stagger=${STAGGER:-60}
+prompts=${PROMPTS:-8}
+lengths=${LENGTHS:-16,512,2048,4000}
+lp_tokens=${LP_TOKENS:-16}
 wait_s=${WAIT:-900}
 port0=${PORT0:-8071}
 boot_extra=${BOOT_EXTRA:---kv auto --mtp 0 --max-capture 128 --max-num-seqs 512 --mem 0.05 --kv-bytes 2684354560}
 py=${PYTHON:-python3}
 
 fail() { echo "decode_gemv_auto: $1 '$2': expected $3" >&2; exit 2; }
-for v in BUDGET:$budget TOKENS:$tokens REPS:$reps WAIT:$wait_s PORT0:$port0; do
+for v in BUDGET:$budget TOKENS:$tokens REPS:$reps WAIT:$wait_s PORT0:$port0 PROMPTS:$prompts LP_TOKENS:$lp_tokens; do
   [[ "${v#*:}" =~ ^[1-9][0-9]*$ ]] || fail "${v%%:*}" "${v#*:}" "a whole number > 0"
 done
 [[ "$stagger" =~ ^[0-9]+$ ]] || fail STAGGER "$stagger" "whole seconds >= 0"
 [[ "$tune" == 0 || "$tune" == 1 ]] || fail TUNE "$tune" "0 or 1"
 [[ "$streams" =~ ^[1-9][0-9]*(,[1-9][0-9]*)*$ ]] || fail STREAMS "$streams" "stream counts such as 1,16"
 [[ "$contexts" =~ ^[1-9][0-9]*(,[1-9][0-9]*)*$ ]] || fail CONTEXTS "$contexts" "prompt lengths such as 2048"
+[[ "$lengths" =~ ^[1-9][0-9]*(,[1-9][0-9]*)*$ ]] || fail LENGTHS "$lengths" "prompt lengths such as 16,512"
 if [[ "$model" == tiny ]]; then
   config="$root/src/vllm_overlay/tools/models/tiny-hybrid"
 elif [[ -f "$here/models/$model.json" ]]; then
@@ -99,6 +105,13 @@ if [[ "$rc" == 0 ]]; then
   say "pair.py stock overlay (streams $streams, contexts $contexts, $tokens tokens, $reps pairs)"
   "$py" "$here/pair.py" stock overlay --streams "$streams" --contexts "$contexts" --tokens "$tokens" --reps "$reps" \
     --out "$out/pair-stock-overlay.json" 2>&1 | tee "$out/pair.log" || rc=1
+  for l in stock overlay; do  # one at a time: greedy tokens and top-20 logprobs of fixed prompts
+    say "logprobs of $l ($prompts prompts, lengths $lengths, $lp_tokens tokens)"
+    "$py" "$here/stack.py" logprobs "$l" --prompts "$prompts" --lengths "$lengths" --max-tokens "$lp_tokens" \
+      2>&1 | tee -a "$out/logprobs.log" || rc=1
+  done
+  "$py" "$here/stack.py" compare "$STACK_STATE_DIR/overlay/logprobs.json" "$STACK_STATE_DIR/stock/logprobs.json" \
+    --out "$out/compare.json" 2>&1 | tee "$out/compare.log" || rc=1
 fi
 "$py" - "$STACK_STATE_DIR/overlay/reports" "$out/acted.json" <<'EOF' || rc=1
 import json, sys

@@ -317,18 +317,22 @@ SETTINGS: tuple[Setting, ...] = (
         "VLLM_OVERLAY_DECODE_GEMV", _auto_bool, "auto", "auto, 1 or 0 (also true/false, yes/no, on/off)",
         "decode-gemv (CUDA): the unquantized linear layers of a one-row forward (decode at one stream) run "
         "the overlay's Triton GEMV instead of cuBLAS; larger forwards keep torch.nn.functional.linear. "
-        "auto: only on a device and vLLM release the shipped table was measured on (NVIDIA H200, vLLM "
-        "0.33.0), or a device VLLM_OVERLAY_DECODE_GEMV_CONFIGS covers, and with CUDA graphs on; elsewhere "
-        "those layers keep cuBLAS with one WARNING. 1: on every CUDA device (heuristic configs where no table covers it). 0: off. "
+        "auto: only where a table was measured: VLLM_OVERLAY_DECODE_GEMV_CONFIGS, the table "
+        "`vllm-overlay tune-gemv` measured for this device and vLLM release (~/.cache/vllm-overlay/decode-gemv/), or the "
+        "shipped one on a device and release a served A/B measured (NVIDIA H200, vLLM 0.33.0), and with CUDA "
+        "graphs on; a shape a table marks cublas keeps cuBLAS; elsewhere those layers keep cuBLAS with one "
+        "WARNING naming the command. 1: on every CUDA device (heuristic configs where no table covers it). 0: off. "
         "Outputs can differ from stock by a bf16 rounding step (bench/decode_gemv_ab.sh compares them).",
     ),
     Setting(
         "VLLM_OVERLAY_DECODE_GEMV_CONFIGS", _path, None,
         "a JSON file of tile configs (the format in the meaning column)",
         "decode-gemv: kernel tile sizes per device and weight shape, "
-        '{"devices": {DEVICE NAME: {"NxK": [BLOCK_N, BLOCK_K, num_warps, num_stages]}}} as '
-        "bench/decode_gemv_h200.py writes it; used before the table that ships with the package. "
-        "Shapes in neither get a heuristic config.",
+        '{"devices": {DEVICE NAME: {"NxK": [BLOCK_N, BLOCK_K, num_warps, num_stages] or "cublas"}}} as '
+        "`vllm-overlay tune-gemv --out` or bench/decode_gemv_h200.py writes it; used before the table tune-gemv "
+        "cached for this device and release and the table that ships with the package. A device whose "
+        'table says it was measured on another vLLM release ("measured": {DEVICE NAME: {"vllm": "X.Y.Z"}}) is '
+        "said and not used. Shapes in no table get a heuristic config.",
         check=_gemv_table_check,
     ),
     Setting(

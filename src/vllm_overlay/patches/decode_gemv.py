@@ -15,11 +15,18 @@ bf16/fp16 matrix, and ``torch.nn.functional.linear`` otherwise (prefills, batche
 other dtypes). The choice is made when the op runs, not when it is traced, so one compiled graph
 serves every batch size and a CUDA graph of one row captures the GEMV. Each weight's kernel is
 compiled after the weights load, before any CUDA graph is captured. The kernel's tile sizes come
-from a table tuned per device (``data/decode_gemv_configs.json``, or the file named by
-``VLLM_OVERLAY_DECODE_GEMV_CONFIGS``) and otherwise from a heuristic on the SM count. By default
-(``VLLM_OVERLAY_DECODE_GEMV=auto``) the patch acts only on a device and vLLM release where a served
-A/B against stock measured the shipped table (the table's "proven" entry), or on a device the user's
-own table covers, and with CUDA graphs on; elsewhere those layers keep cuBLAS, said once per process.
+from a table per device, in this order: the file named by ``VLLM_OVERLAY_DECODE_GEMV_CONFIGS``, the
+table ``vllm-overlay tune-gemv`` measured on this device for this vLLM release (in the user's cache,
+``~/.cache/vllm-overlay/decode-gemv/``), the table that ships (``data/decode_gemv_configs.json``); a
+table measured on another release is said and not used. A table's "cublas" entry keeps vLLM's GEMM for
+that shape, where cuBLAS was the faster. Shapes no table lists get a heuristic config on the SM count.
+By default (``VLLM_OVERLAY_DECODE_GEMV=auto``) the patch acts only where a table was measured: the
+user's own, a tune-gemv table of this device and release (a shape it does not list keeps cuBLAS), or
+the shipped table on a device and release where a served A/B against stock measured it (its "proven"
+entry), and with CUDA graphs on; elsewhere those layers keep cuBLAS, said once per process with the
+command that measures a table. The tuning is a command, not a step of vLLM's start-up: it times every
+shape on an idle GPU for minutes, which inside a serving process would stall each boot and time the
+kernels against the model's own warm-up.
 
 Outputs are the same sums as cuBLAS's, added in another order in fp32 and rounded once: they can
 differ from stock by one bf16 rounding step in some elements, so greedy outputs and logprobs are
@@ -32,11 +39,13 @@ import functools
 import json
 import os
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 from vllm_overlay import report, settings
 from vllm_overlay.logs import LOG
 from vllm_overlay.mechanisms.wrap import argument
+from vllm_overlay.patches import _gemv_cache
 from vllm_overlay.report import STATE
 from vllm_overlay.spec import PatchSpec, Proof, Support, Target, why_from, wraps
 
@@ -65,7 +74,8 @@ AFTER_LOADING = Target(LINEAR, "UnquantizedLinearMethod.process_weights_after_lo
 
 SPEC = PatchSpec(
     id=PATCH_ID,
-    title="A one-row GEMV for unquantized linear layers at decode (CUDA; by default where measured: H200, 0.33.0)",
+    title="A one-row GEMV for unquantized linear layers at decode (CUDA; by default where a table measured it: "
+          "vllm-overlay tune-gemv)",
     why=why_from(__doc__),
     upstream="https://github.com/vllm-project/vllm/blob/v0.33.0/vllm/model_executor/layers/utils.py "
              "(default_unquantized_gemm: torch.nn.functional.linear for every unquantized layer on CUDA)",
@@ -122,17 +132,37 @@ SPEC = PatchSpec(
 _LOCK = threading.Lock()
 _REGISTERED: list[Any] = []  # the torch.library.Library holding the op (kept alive; inherited on fork)
 _CONFIGS: dict[tuple[int, int, int], Any] = {}  # (N, K, device index) -> kernels.decode_gemv.Config
-_TABLES: dict[str, tuple[dict[str, Any], str]] = {}  # device name -> ({"NxK": Config}, its source)
+_TABLES: dict[str, Any] = {}  # device name -> Chosen
 _NOTED: set[str] = set()
 
 
 # ---- the config table -------------------------------------------------------------------------------
 
 
-def load_table(path: str, where: str) -> dict[str, dict[str, Any]]:
-    """{device name: {"NxK": Config or CUBLAS}} from a JSON file {"devices": {name: {"NxK": [bn, bk, warps,
-    stages] or "cublas"}}} ("cublas": cuBLAS was faster for that shape on that device, F.linear keeps it).
-    Raises ValueError naming ``where``, the entry and what is accepted."""
+@dataclass(frozen=True)
+class Chosen:
+    """The table a device's configs come from: {"NxK": Config or CUBLAS}, where it was read, what kind
+    of table it is ("user": VLLM_OVERLAY_DECODE_GEMV_CONFIGS, "tuned": a table `vllm-overlay tune-gemv`
+    measured for this device and release, "shipped", or "heuristic": none) and where it was measured."""
+
+    table: dict[str, Any]
+    source: str
+    kind: str
+    measured: dict[str, Any] | None = None
+
+    def where(self) -> str:
+        m = self.measured or {}
+        if not m:
+            return self.source
+        return f"{self.source} (measured on vLLM {m.get('vllm')}, {m.get('date_utc', 'no date')})"
+
+
+def read_table(path: str, where: str) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    """({device name: {"NxK": Config or CUBLAS}}, {device name: where its table was measured}) from a JSON
+    file {"devices": {name: {"NxK": [bn, bk, warps, stages] or "cublas"}}, "measured": {name: {"vllm":
+    "X.Y.Z", ...}}} ("cublas": cuBLAS was faster for that shape on that device, F.linear keeps it;
+    "measured" is optional: `vllm-overlay tune-gemv` writes it). Raises ValueError naming ``where``, the
+    entry and what is accepted."""
     from vllm_overlay.kernels.decode_gemv import Config
 
     try:
@@ -156,36 +186,102 @@ def load_table(path: str, where: str) -> dict[str, dict[str, Any]]:
             table[f"{int(n)}x{int(k)}"] = CUBLAS if cfg == CUBLAS else Config.from_list(
                 cfg, f"{where}={path}: device {name!r}: {key}")
         out[name] = table
-    return out
+    measured = raw.get("measured", {})
+    if not isinstance(measured, dict) or not all(
+            isinstance(m, dict) and isinstance(m.get("vllm"), str) and m["vllm"] for m in measured.values()):
+        raise ValueError(f"{where}={path}: \"measured\": expected {{DEVICE NAME: {{\"vllm\": \"X.Y.Z\", ...}}}} (where "
+                         "each device's table was measured), or no such key")
+    return out, {str(k): dict(v) for k, v in measured.items()}
+
+
+def load_table(path: str, where: str) -> dict[str, dict[str, Any]]:
+    """{device name: {"NxK": Config or CUBLAS}} (see read_table)."""
+    return read_table(path, where)[0]
+
+
+def _say(line: str) -> None:
+    """A WARNING and a report event, once per process."""
+    if line in _NOTED:
+        return
+    _NOTED.add(line)
+    LOG.warning(line)
+    STATE.event(line)
+
+
+def _other_release(measured: dict[str, Any] | None, version: str | None) -> str | None:
+    """The release a device's table was measured on where it is not this process's, else None."""
+    if measured and version and measured.get("vllm") != version:
+        return str(measured.get("vllm"))
+    return None
+
+
+def _user_table(device_name: str, version: str | None) -> Chosen | None:
+    user = settings.value("VLLM_OVERLAY_DECODE_GEMV_CONFIGS")
+    if not user:
+        return None
+    tables, measured = read_table(str(user), "VLLM_OVERLAY_DECODE_GEMV_CONFIGS")
+    found = tables.get(device_name)
+    if not found:  # a table for other devices: said once per device, never silently replaced
+        _say(f"decode-gemv: VLLM_OVERLAY_DECODE_GEMV_CONFIGS={user} names the devices "
+             f"{', '.join(repr(d) for d in sorted(tables)) or 'none'}, not this process's {device_name!r} "
+             "(the name torch.cuda.get_device_properties gives); it is not used for this device")
+        return None
+    other = _other_release(measured.get(device_name), version)
+    if other:
+        _say(f"decode-gemv: VLLM_OVERLAY_DECODE_GEMV_CONFIGS={user}: its table for {device_name} was measured on "
+             f"vLLM {other}, this process runs {version}; it is not used (vllm-overlay tune-gemv measures one for "
+             "this release)")
+        return None
+    return Chosen(found, str(user), "tuned" if device_name in measured else "user", measured.get(device_name))
+
+
+def _cached_table(device_name: str, version: str | None) -> Chosen | None:
+    if not version:
+        return None
+    path = _gemv_cache.cache_file(device_name, version)
+    why = _gemv_cache.problem(path)
+    if why == "does not exist":
+        return None
+    if why:
+        _say(f"decode-gemv: the cached table {path} {why}; it is not used")
+        return None
+    try:
+        tables, measured = read_table(path, "decode-gemv cached table")
+    except ValueError as exc:
+        _say(f"decode-gemv: {exc}; it is not used (vllm-overlay tune-gemv writes it again)")
+        return None
+    m = measured.get(device_name)
+    if device_name not in tables or not m or _other_release(m, version):
+        _say(f"decode-gemv: the cached table {path} holds no table measured for {device_name} on vLLM {version} "
+             f"(devices {sorted(tables)}, measured {({d: v.get('vllm') for d, v in measured.items()})}); it is not "
+             "used")
+        return None
+    return Chosen(tables[device_name], path, "tuned", m)
+
+
+def chosen(device_name: str) -> Chosen:
+    """The table this device's configs come from, in order: VLLM_OVERLAY_DECODE_GEMV_CONFIGS, the cached
+    table `vllm-overlay tune-gemv` measured for this device and vLLM release, the shipped table; a table
+    measured on another release is said and not used (cached per process)."""
+    with _LOCK:
+        if device_name in _TABLES:
+            return _TABLES[device_name]
+    version = STATE.vllm_version
+    found = _user_table(device_name, version) or _cached_table(device_name, version)
+    if found is None and os.path.exists(SHIPPED):
+        table = load_table(SHIPPED, "decode-gemv shipped table").get(device_name)
+        if table:
+            found = Chosen(table, SHIPPED, "shipped")
+    found = found or Chosen({}, "heuristic (no tuned table for this device)", "heuristic")
+    with _LOCK:
+        _TABLES[device_name] = found
+    return found
 
 
 def table_for(device_name: str) -> tuple[dict[str, Any], str]:
     """The tuned configs for this device and where they come from."""
-    with _LOCK:
-        if device_name in _TABLES:
-            return _TABLES[device_name]
-    user = settings.value("VLLM_OVERLAY_DECODE_GEMV_CONFIGS")
-    table: dict[str, Any] = {}
-    source = "heuristic (no tuned table for this device)"
-    if user:
-        tables = load_table(str(user), "VLLM_OVERLAY_DECODE_GEMV_CONFIGS")
-        found = tables.get(device_name)
-        if found:
-            table, source = found, str(user)
-        else:  # a table for other devices: said once per device, never silently replaced
-            line = (f"decode-gemv: VLLM_OVERLAY_DECODE_GEMV_CONFIGS={user} names the devices "
-                    f"{', '.join(repr(d) for d in sorted(tables)) or 'none'}, not this process's {device_name!r} "
-                    "(the name torch.cuda.get_device_properties gives); the shipped table or the heuristic "
-                    "serves it instead")
-            LOG.warning(line)
-            STATE.event(line)
-    if not table and os.path.exists(SHIPPED):
-        found = load_table(SHIPPED, "decode-gemv shipped table").get(device_name)
-        if found:
-            table, source = found, SHIPPED
-    with _LOCK:
-        _TABLES[device_name] = (table, source)
-    return table, source
+    c = chosen(device_name)
+    return c.table, c.source
 
 
 @functools.lru_cache(maxsize=1)
@@ -200,23 +296,31 @@ def shipped_proven() -> dict[str, list[str]]:
     return {str(k): [str(v) for v in vs] for k, vs in proven.items() if isinstance(vs, list)}
 
 
+TUNE = "vllm-overlay tune-gemv"
+
+
 def auto_refusal(device_name: str, version: str | None) -> str | None:
-    """Why VLLM_OVERLAY_DECODE_GEMV=auto keeps cuBLAS on this device and release, or None."""
-    user = settings.value("VLLM_OVERLAY_DECODE_GEMV_CONFIGS")
-    if user and table_for(device_name)[1] == str(user):  # the user's table covers this device
+    """Why VLLM_OVERLAY_DECODE_GEMV=auto keeps cuBLAS on this device and release, or None: auto acts with
+    the user's table, a table tune-gemv measured for this device and release, or the shipped table where
+    a served A/B measured it (its "proven" entry)."""
+    found = chosen(device_name)
+    if found.kind in ("user", "tuned"):
         return None
     proven = shipped_proven()
-    if version in proven.get(device_name, []):
+    if found.kind == "shipped" and version in proven.get(device_name, []):
         return None
     covered = "; ".join(f"{d} on vLLM {', '.join(v)}" for d, v in sorted(proven.items())) or "nothing"
+    cache = _gemv_cache.cache_file(device_name, version or "VERSION")
     return (f"VLLM_OVERLAY_DECODE_GEMV=auto and no GEMV table was measured for {device_name} on vLLM {version} "
-            f"(the shipped table covers {covered}); VLLM_OVERLAY_DECODE_GEMV=1 runs the GEMV with heuristic "
-            "configs, VLLM_OVERLAY_DECODE_GEMV_CONFIGS with a table tuned by bench/decode_gemv_h200.py")
+            f"(the shipped table covers {covered}; no table in {cache}); {TUNE} --model MODEL_DIR measures one "
+            "there, in a few minutes on this GPU, for the next start; VLLM_OVERLAY_DECODE_GEMV=1 runs the GEMV with "
+            "heuristic configs")
 
 
 def config_for(n: int, k: int, device: Any) -> Any:
     """The kernel config for an N x K weight on ``device``, or None where the table keeps cuBLAS for
-    that shape (cached per process)."""
+    that shape (cached per process). Under VLLM_OVERLAY_DECODE_GEMV=auto a shape that a tuned table
+    (measured by tune-gemv) does not list keeps cuBLAS too: it was not measured there."""
     import torch
 
     from vllm_overlay.kernels.decode_gemv import heuristic
@@ -230,9 +334,14 @@ def config_for(n: int, k: int, device: Any) -> Any:
         name, sms = props.name, props.multi_processor_count
     else:  # the Triton interpreter (tests): an H200-sized SM count
         name, sms = "cpu (Triton interpreter)", 132
-    table, source = table_for(name)
-    cfg = table.get(f"{n}x{k}")
-    if cfg is None:
+    found = chosen(name)
+    cfg = found.table.get(f"{n}x{k}")
+    source = found.where()
+    if cfg is None and found.kind == "tuned" and settings.value("VLLM_OVERLAY_DECODE_GEMV") == "auto":
+        cfg, source = CUBLAS, f"not in {found.source}: keeps cuBLAS"
+        _say(f"decode-gemv: the shape {n}x{k} is not in the table measured for {name} ({found.where()}); it keeps "
+             f"cuBLAS under VLLM_OVERLAY_DECODE_GEMV=auto ({TUNE} --shapes {n}x{k} measures it)")
+    elif cfg is None:
         cfg, source = heuristic(n, k, sms), f"heuristic ({sms} SMs)"
     if cfg == CUBLAS:
         cfg = None

@@ -1,4 +1,5 @@
-"""`vllm-overlay` entry point: plan, matrix, verify, doctor, report, stress, demo, tune-moe, serve."""
+"""`vllm-overlay` entry point: plan, matrix, verify, doctor, report, stress, demo, tune-moe, tune-gemv,
+serve."""
 
 from __future__ import annotations
 
@@ -18,6 +19,16 @@ class _Formatter(argparse.HelpFormatter):
         text = self._whitespace_matcher.sub(" ", text).strip()  # type: ignore[attr-defined]
         return textwrap.wrap(text, width, break_on_hyphens=False, break_long_words=False)
 
+    def add_argument(self, action: argparse.Action) -> None:
+        """argparse measures a command's name at its parent's indent, not at the deeper one it prints it
+        at, so the longest command name (tune-gemv) went to a line of its own: counted here at its own."""
+        super().add_argument(action)
+        subactions = getattr(action, "_get_subactions", None)
+        if action.help is not argparse.SUPPRESS and subactions is not None:
+            longest = max((len(self._format_action_invocation(s)) for s in subactions()), default=0)
+            self._action_max_length = max(self._action_max_length,  # type: ignore[attr-defined]
+                                          longest + self._current_indent + self._indent_increment)  # type: ignore[attr-defined]
+
     def _fill_text(self, text: str, width: int, indent: str) -> str:
         text = self._whitespace_matcher.sub(" ", text).strip()  # type: ignore[attr-defined]
         return textwrap.fill(text, width, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False,
@@ -25,7 +36,7 @@ class _Formatter(argparse.HelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from vllm_overlay.tools.cli import demo, doctor, matrix, plan, report, serve, stress, tune_moe, verify
+    from vllm_overlay.tools.cli import demo, doctor, matrix, plan, report, serve, stress, tune_gemv, tune_moe, verify
 
     parser = argparse.ArgumentParser(
         prog="vllm-overlay",
@@ -33,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_Formatter,
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for mod in (plan, matrix, verify, doctor, report, stress, demo, tune_moe, serve):
+    for mod in (plan, matrix, verify, doctor, report, stress, demo, tune_moe, tune_gemv, serve):
         mod.add_parser(sub)
     for p in sub.choices.values():
         if p.formatter_class is argparse.HelpFormatter:  # a command's own formatter (raw text, say) stays

@@ -81,18 +81,6 @@ def shapes(cfg: dict[str, Any]) -> list[dict[str, Any]]:
     return list(merged.values())
 
 
-def candidates(k: int) -> list[tuple[int, int, int, int]]:
-    import triton
-
-    kmax = max(128, triton.next_power_of_2(k))
-    out = []
-    for bn in (1, 2, 4, 8, 16, 32):
-        for bk in (128, 256, 512, 1024, 2048):
-            if bk <= kmax and 1024 <= bn * bk <= 16384:
-                out.append((bn, bk, 4, 1))
-    return out
-
-
 class Timer:
     """Calls captured in one CUDA graph, replayed and timed with CUDA events."""
 
@@ -100,29 +88,9 @@ class Timer:
         self.reps = reps
 
     def per_call_us(self, calls: list[Any]) -> dict[str, float]:
-        import torch
+        from vllm_overlay.tools.tune.gemv_cuda import graph_call_times_us
 
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for c in calls[:2]:
-                c()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for c in calls:
-                c()
-        graph.replay()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(self.reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            graph.replay()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) * 1000.0 / len(calls))
-        del graph
+        times = graph_call_times_us(calls, self.reps)
         return {"median": round(statistics.median(times), 3), "min": round(min(times), 3),
                 "max": round(max(times), 3)}
 
@@ -159,6 +127,7 @@ def measure_shape(s: dict[str, Any], a: argparse.Namespace, deadline: float, tim
     import torch
 
     from vllm_overlay.kernels.decode_gemv import Config, gemv, heuristic
+    from vllm_overlay.tools.tune.gemv import round_one, round_two  # the search tune-gemv makes too
 
     n, k = s["n"], s["k"]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -192,23 +161,19 @@ def measure_shape(s: dict[str, Any], a: argparse.Namespace, deadline: float, tim
         else:
             tried[c] = t
 
-    for c in [tuple(heur.as_list())] + candidates(k):
+    for c in [tuple(heur.as_list())] + round_one(k):
         if c not in tried and list(c) not in failed:
             attempt(c)
     if not tried:
         raise RuntimeError(f"{s['name']} (N={n}, K={k}): no GEMV config ran (see the lines above)")
-    top = sorted(tried, key=lambda c: tried[c]["median"])[:3]
     cut = False
-    for bn, bk, _, _ in top:
-        for warps in (2, 4, 8):
-            for stages in (1, 3):
-                c = (bn, bk, warps, stages)
-                if c in tried or list(c) in failed:
-                    continue
-                if time.time() > deadline:
-                    cut = True
-                    break
-                attempt(c)
+    for c in round_two(sorted(tried, key=lambda c: tried[c]["median"])[:3]):
+        if c in tried or list(c) in failed:
+            continue
+        if time.time() > deadline:
+            cut = True
+            break
+        attempt(c)
     best = min(tried, key=lambda c: tried[c]["median"])
     res["heuristic"] = {"config": list(heur.as_list()), "us": tried.get(tuple(heur.as_list()))}
     res["failed_configs"] = failed

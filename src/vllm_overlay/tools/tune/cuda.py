@@ -13,6 +13,7 @@ import inspect
 import os
 from typing import Any
 
+from vllm_overlay.tools.tune.gpu import torch_cuda_problem
 from vllm_overlay.tools.tune.space import Shape, config_file_name
 
 GRAPH_CALLS = 10  # calls captured in one CUDA graph; one replay is timed as GRAPH_CALLS calls
@@ -20,13 +21,9 @@ GRAPH_CALLS = 10  # calls captured in one CUDA graph; one replay is timed as GRA
 
 def cuda_problem() -> str | None:
     """None when a CUDA GPU and vLLM's Triton fused-MoE kernel are usable; else why not, in one clause."""
-    try:
-        import torch
-    except Exception as exc:  # noqa: BLE001
-        return f"torch cannot be imported ({exc})"
-    if not torch.cuda.is_available():
-        return (f"torch.cuda.is_available() is False (torch {torch.__version__}"
-                f"{', a CPU build' if '+cpu' in torch.__version__ else ''})")
+    why = torch_cuda_problem()
+    if why is not None:
+        return why
     try:
         from vllm.model_executor.layers.fused_moe import fused_experts, override_config  # noqa: F401
     except Exception as exc:  # noqa: BLE001

@@ -137,7 +137,6 @@ def tune(shapes: list[GemvShape], timer: Timer, budget_s: float, out: Out | None
             tried: dict[Cfg, float] = {}
             failed: list[Cfg] = []
             heur = heuristic(shape.n, shape.k, timer.sms)
-            cut = False
 
             def attempt(cfg: Cfg, shape: GemvShape = shape) -> None:
                 t = _time(lambda: timer.gemv_us(shape, cfg))
@@ -147,23 +146,20 @@ def tune(shapes: list[GemvShape], timer: Timer, budget_s: float, out: Out | None
                 else:
                     tried[cfg] = t
 
-            attempt(heur)  # always: with cuBLAS, the least a shape that starts is decided on
-            for cfg in round_one(shape.k):
-                if cfg in tried or cfg in failed:
-                    continue
-                if clock() >= share_end:
-                    cut = True
-                    break
-                attempt(cfg)
-            if not cut:
-                top = sorted(tried, key=tried.__getitem__)[:3]
-                for cfg in round_two(top):
+            def search(cfgs: list[Cfg]) -> bool:
+                """Times the configs not timed yet; True where the shape's share of the budget ended first."""
+                for cfg in cfgs:
                     if cfg in tried or cfg in failed:
                         continue
                     if clock() >= share_end:
-                        cut = True
-                        break
+                        return True
                     attempt(cfg)
+                return False
+
+            attempt(heur)  # always: with cuBLAS, the least a shape that starts is decided on
+            cut = search(round_one(shape.k))
+            if not cut:
+                cut = search(round_two(sorted(tried, key=tried.__getitem__)[:3]))
             best = min(tried, key=tried.__getitem__) if tried else None
             d = Decision(shape, cub, best, tried[best] if best else math.inf, heur, tried.get(heur),
                          len(tried) + len(failed), failed, cut, clock() - now)

@@ -17,22 +17,48 @@ import statistics
 from typing import Any
 
 from vllm_overlay.tools.tune.gemv_shapes import GemvShape
+from vllm_overlay.tools.tune.gpu import torch_cuda_problem
 
 
 def cuda_problem() -> str | None:
     """None when a CUDA GPU, Triton and the overlay's kernel are usable; else why not, in one clause."""
-    try:
-        import torch
-    except Exception as exc:  # noqa: BLE001
-        return f"torch cannot be imported ({exc})"
-    if not torch.cuda.is_available():
-        return (f"torch.cuda.is_available() is False (torch {torch.__version__}"
-                f"{', a CPU build' if '+cpu' in torch.__version__ else ''})")
+    why = torch_cuda_problem()
+    if why is not None:
+        return why
     try:
         from vllm_overlay.kernels import decode_gemv  # noqa: F401 - imports Triton
     except Exception as exc:  # noqa: BLE001
         return f"the GEMV kernel cannot be imported ({type(exc).__name__}: {exc})"
     return None
+
+
+def graph_call_times_us(calls: list[Any], reps: int) -> list[float]:
+    """``calls`` captured in one CUDA graph (two of them run first on a side stream, as capture wants),
+    the graph replayed ``reps`` times: each replay's time over its calls, in microseconds."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for c in calls[:2]:
+            c()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000.0 / len(calls))
+    del graph
+    return times
 
 
 class CudaTimer:
@@ -66,29 +92,7 @@ class CudaTimer:
         return self._held[1], self._held[2]
 
     def _per_call_us(self, calls: list[Any]) -> float:
-        torch = self.torch
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for c in calls[:2]:
-                c()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for c in calls:
-                c()
-        graph.replay()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(self.reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            graph.replay()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) * 1000.0 / len(calls))
-        del graph
-        return statistics.median(times)
+        return statistics.median(graph_call_times_us(calls, self.reps))
 
     def _order(self, ws: list[Any]) -> list[Any]:
         return [ws[i % len(ws)] for i in range(max(len(ws), self.calls))]

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from forked import in_child
 from vllm_overlay import budget, core, report
 from vllm_overlay.mechanisms import wrap as wrapmech
 from vllm_overlay.patches import gdn_output_prealloc as gdn
@@ -38,27 +39,6 @@ def _locks() -> dict[str, object]:
     return {"STATE.lock": STATE.lock, "budget._seen_lock": budget._seen_lock, "gdn._lock": gdn._lock,
             "core._LOCK": core._LOCK, "wrap._HOOK_LOCK": wrapmech._HOOK_LOCK,
             "report._flusher_lock": report._flusher_lock}
-
-
-def _in_child(fn) -> dict:  # type: ignore[no-untyped-def]
-    """Run ``fn()`` in a forked child; its JSON result comes back through a pipe."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never return into pytest
-        try:
-            os.close(r)
-            data = json.dumps(fn()).encode()
-        except BaseException as exc:  # noqa: BLE001
-            data = json.dumps({"error": repr(exc)}).encode()
-        os.write(w, data)
-        os._exit(0)
-    os.close(w)
-    chunks = []
-    while chunk := os.read(r, 65536):
-        chunks.append(chunk)
-    os.close(r)
-    os.waitpid(pid, 0)
-    return json.loads(b"".join(chunks))
 
 
 def test_every_lock_is_new_after_fork_even_when_held(state) -> None:  # type: ignore[no-untyped-def]
@@ -87,7 +67,7 @@ def test_every_lock_is_new_after_fork_even_when_held(state) -> None:  # type: ig
                     lk.release()  # type: ignore[attr-defined]
             return out
 
-        result = _in_child(child)
+        result = in_child(child)
     finally:
         release.set()
         t.join()
@@ -108,7 +88,7 @@ def test_child_has_its_own_budget_cache_and_marks_inherited_entries(state, monke
         return {"forked_from": STATE.forked_from, "pid": STATE.pid, "before": before,
                 "after": budget.BUDGETS.items, "guard_checks": STATE.counters["guard_checks"]}
 
-    out = _in_child(child)
+    out = in_child(child)
     assert out["forked_from"] == parent and out["pid"] != parent
     assert [b["inherited_from"] for b in out["before"]] == [parent]
     assert out["before"][0]["value"] == 3000

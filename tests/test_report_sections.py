@@ -9,6 +9,7 @@ import os
 
 import pytest
 
+from forked import in_child
 from vllm_overlay import budget, report, telemetry
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.patches import _runner, forward_telemetry, rank_reports
@@ -76,24 +77,12 @@ def test_a_forked_child_keeps_what_each_owner_says(state) -> None:  # type: igno
     telemetry.TELEMETRY.record(7)
     _runner.RUNNER_REPORT.replace({"kind": "V1", "class": "C"})
     parent = os.getpid()
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never return into pytest
-        try:
-            os.close(r)
-            rep = STATE.to_json()
-            data = json.dumps({k: rep[k] for k in ("budgets", "buffers", "telemetry", "runner")}).encode()
-        except BaseException as exc:  # noqa: BLE001
-            data = json.dumps({"error": repr(exc)}).encode()
-        os.write(w, data)
-        os._exit(0)
-    os.close(w)
-    chunks = []
-    while chunk := os.read(r, 65536):
-        chunks.append(chunk)
-    os.close(r)
-    os.waitpid(pid, 0)
-    out = json.loads(b"".join(chunks))
+
+    def child() -> dict:  # type: ignore[type-arg]
+        rep = STATE.to_json()
+        return {k: rep[k] for k in ("budgets", "buffers", "telemetry", "runner")}
+
+    out = in_child(child)
     assert out["budgets"] == [{"purpose": "gdn-output", "value": 64, "inherited_from": parent}]
     assert out["buffers"] == [] and out["runner"] == {} and out["telemetry"]["forwards"]["count"] == 0
     assert STATE.to_json()["budgets"] == [{"purpose": "gdn-output", "value": 64}]  # the parent's unchanged

@@ -257,12 +257,13 @@ def guard_outcome(label: str, rc: int, booted: bool) -> str:
     under the band traffic sent once it served (its log says which, whether or not the API server process
     outlived the engine)."""
     when = "under band traffic" if booted else "at boot"
+    reports = overlay_reports(sdir(label))
+    no_buffer = any(r.get("runner") for r in reports) and not any(r.get("buffers") for r in reports)
     if runner_evidence(sdir(label), serve_log(label))["capacity_error"]:
         series_mark(label, expected=f"stopped {when} with the overlay's CapacityError (as expected)")
         dispatch(["stop", label])
         series_mark(label, done=True)
-    elif booted and rc != 1 and (reps := overlay_reports(sdir(label))) and any(r.get("runner") for r in reps) \
-            and not any(r.get("buffers") for r in reps):
+    elif booted and rc != 1 and no_buffer:
         # vLLM 0.34.0 allocates the GDN output itself on every path but the fused spec-decode kernel's, which
         # a model may not take (Qwen3-Next's layout falls back to Triton): then no layer holds the buffer
         series_mark(label, expected="served band traffic with no GDN layer on the overlay's buffer (its workers "

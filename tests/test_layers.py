@@ -185,8 +185,6 @@ PATCHES = "vllm_overlay.patches"
 NAMES_PATCHES = {
     "vllm_overlay.report": "report.SECTIONS: the owners of the report's sections, imported so every report "
                            "carries every key",
-    "vllm_overlay.settings": "the check of VLLM_OVERLAY_DECODE_GEMV_CONFIGS parses the file with "
-                             "patches/decode_gemv.py's load_table",
 }
 
 

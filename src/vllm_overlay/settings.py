@@ -122,14 +122,12 @@ def _gemv_table_check(path: str, default: bool) -> str | None:
         return "does not exist" if not os.path.lexists(path) else "is not a regular file"
     if os.path.getsize(path) > report_files.MAX_REPORT_BYTES:
         return f"is larger than {report_files.MAX_REPORT_BYTES} bytes: not a table of tile configs"
-    try:
-        from vllm_overlay.patches.decode_gemv import load_table
+    from vllm_overlay.gemv_table import load_table
 
+    try:
         table = load_table(path, "VLLM_OVERLAY_DECODE_GEMV_CONFIGS")
     except ValueError as exc:
         return f"is not a usable table: {str(exc).split(': ', 1)[-1]}"
-    except ImportError:  # the kernel module needs torch and triton: without them decode-gemv never runs
-        return None
     empty = [name for name, shapes in table.items() if not name.strip() or not shapes]
     if not table or empty:
         return ("names no device" if not table

@@ -19,11 +19,11 @@ sums round to neighbouring bf16 values (``bench/decode_gemv_h200.py`` counts how
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
+
+from vllm_overlay.gemv_table import Config, heuristic  # noqa: F401 (the kernel's configs, kept importable here)
 
 
 @triton.jit
@@ -61,39 +61,6 @@ def _gemv_kernel(
     if HAS_BIAS:
         out += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
     tl.store(o_ptr + rn, out.to(o_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=rn < N)
-
-
-@dataclass(frozen=True)
-class Config:
-    block_n: int
-    block_k: int
-    num_warps: int = 4
-    num_stages: int = 1
-
-    def as_list(self) -> list[int]:
-        return [self.block_n, self.block_k, self.num_warps, self.num_stages]
-
-    @classmethod
-    def from_list(cls, raw: list[int], where: str) -> Config:
-        if (not isinstance(raw, list) or len(raw) != 4 or not all(isinstance(v, int) and v > 0 for v in raw)
-                or any(v & (v - 1) for v in raw[:3])):
-            raise ValueError(f"{where}: {raw!r}: expected [BLOCK_N, BLOCK_K, num_warps, num_stages], "
-                             "the first three powers of two, all positive integers")
-        return cls(*raw)
-
-
-def _pow2_floor(v: int) -> int:
-    return 1 << (max(1, v).bit_length() - 1)
-
-
-def heuristic(n: int, k: int, sms: int) -> Config:
-    """A config from the shape and the SM count alone: at least two programs per SM where N allows,
-    8 K elements of W per program per K tile (BLOCK_N * BLOCK_K = 4096, 8 KiB of bf16)."""
-    block_n = 16
-    while block_n > 1 and triton.cdiv(n, block_n) < 2 * sms:
-        block_n //= 2
-    block_k = min(_pow2_floor(4096 // block_n), triton.next_power_of_2(k), 2048)
-    return Config(block_n, max(block_k, 16), 4, 1)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: Config,

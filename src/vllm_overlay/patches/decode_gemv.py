@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_overlay import report, settings
+from vllm_overlay.gemv_table import CUBLAS, load_table, read_table
 from vllm_overlay.logs import LOG
 from vllm_overlay.mechanisms.wrap import argument
 from vllm_overlay.patches import _gemv_cache
@@ -56,7 +57,6 @@ UTILS_PATH = "model_executor/layers/utils.py"
 SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
                        "decode_gemv_configs.json")
 OP = "vllm_overlay::decode_gemv"
-CUBLAS = "cublas"  # a table entry: this shape keeps torch.nn.functional.linear on this device
 
 # the CUDA branch of dispatch_unquantized_gemm without a FlashInfer linear backend: what a patched
 # UnquantizedLinearMethod starts from (the proof that the patch acts, not only installs)
@@ -131,7 +131,7 @@ SPEC = PatchSpec(
 
 _LOCK = threading.Lock()
 _REGISTERED: list[Any] = []  # the torch.library.Library holding the op (kept alive; inherited on fork)
-_CONFIGS: dict[tuple[int, int, int], Any] = {}  # (N, K, device index) -> kernels.decode_gemv.Config
+_CONFIGS: dict[tuple[int, int, int], Any] = {}  # (N, K, device index) -> gemv_table.Config
 _TABLES: dict[str, Any] = {}  # device name -> Chosen
 _NOTED: set[str] = set()
 
@@ -155,48 +155,6 @@ class Chosen:
         if not m:
             return self.source
         return f"{self.source} (measured on vLLM {m.get('vllm')}, {m.get('date_utc', 'no date')})"
-
-
-def read_table(path: str, where: str) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
-    """({device name: {"NxK": Config or CUBLAS}}, {device name: where its table was measured}) from a JSON
-    file {"devices": {name: {"NxK": [bn, bk, warps, stages] or "cublas"}}, "measured": {name: {"vllm":
-    "X.Y.Z", ...}}} ("cublas": cuBLAS was faster for that shape on that device, F.linear keeps it;
-    "measured" is optional: `vllm-overlay tune-gemv` writes it). Raises ValueError naming ``where``, the
-    entry and what is accepted."""
-    from vllm_overlay.kernels.decode_gemv import Config
-
-    try:
-        with open(path) as f:
-            raw = json.load(f)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{where}={path}: cannot read a JSON config table ({exc})") from None
-    devices = raw.get("devices") if isinstance(raw, dict) else None
-    if not isinstance(devices, dict):
-        raise ValueError(f"{where}={path}: expected {{\"devices\": {{DEVICE NAME: {{\"NxK\": [BLOCK_N, BLOCK_K, "
-                         "num_warps, num_stages]}}}}}}")
-    out: dict[str, dict[str, Any]] = {}
-    for name, shapes in devices.items():
-        if not isinstance(shapes, dict):
-            raise ValueError(f"{where}={path}: device {name!r}: expected an object of \"NxK\" -> config")
-        table = {}
-        for key, cfg in shapes.items():
-            n, _, k = str(key).partition("x")
-            if not (n.isdigit() and k.isdigit()):
-                raise ValueError(f"{where}={path}: device {name!r}: key {key!r}: expected \"NxK\" (e.g. \"2048x4096\")")
-            table[f"{int(n)}x{int(k)}"] = CUBLAS if cfg == CUBLAS else Config.from_list(
-                cfg, f"{where}={path}: device {name!r}: {key}")
-        out[name] = table
-    measured = raw.get("measured", {})
-    if not isinstance(measured, dict) or not all(
-            isinstance(m, dict) and isinstance(m.get("vllm"), str) and m["vllm"] for m in measured.values()):
-        raise ValueError(f"{where}={path}: \"measured\": expected {{DEVICE NAME: {{\"vllm\": \"X.Y.Z\", ...}}}} (where "
-                         "each device's table was measured), or no such key")
-    return out, {str(k): dict(v) for k, v in measured.items()}
-
-
-def load_table(path: str, where: str) -> dict[str, dict[str, Any]]:
-    """{device name: {"NxK": Config or CUBLAS}} (see read_table)."""
-    return read_table(path, where)[0]
 
 
 def _say(line: str) -> None:
@@ -323,7 +281,7 @@ def config_for(n: int, k: int, device: Any) -> Any:
     (measured by tune-gemv) does not list keeps cuBLAS too: it was not measured there."""
     import torch
 
-    from vllm_overlay.kernels.decode_gemv import heuristic
+    from vllm_overlay.gemv_table import heuristic
 
     index = device.index if device.type == "cuda" else -1
     key = (n, k, index)

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from vllm_overlay import gemv_table
 from vllm_overlay.tools.output import Out
 from vllm_overlay.tools.progress import Ticker
 from vllm_overlay.tools.tune.gemv_shapes import GemvShape
@@ -42,13 +43,9 @@ class Timer(Protocol):
     def gemv_us(self, shape: GemvShape, cfg: Cfg) -> float: ...
 
 
-def _pow2_at_least(v: int) -> int:
-    return 1 << max(0, (v - 1).bit_length())
-
-
 def round_one(k: int) -> list[Cfg]:
     """Tile shapes at 4 warps and 1 stage (bench/decode_gemv_h200.py's first round)."""
-    kmax = max(128, _pow2_at_least(k))
+    kmax = max(128, gemv_table.pow2_at_least(k))
     return [(bn, bk, 4, 1) for bn in (1, 2, 4, 8, 16, 32) for bk in (128, 256, 512, 1024, 2048)
             if bk <= kmax and 1024 <= bn * bk <= 16384]
 
@@ -59,13 +56,8 @@ def round_two(top: list[Cfg]) -> list[Cfg]:
 
 
 def heuristic(n: int, k: int, sms: int) -> Cfg:
-    """kernels/decode_gemv.heuristic without importing Triton (the same arithmetic)."""
-    block_n = 16
-    while block_n > 1 and -(-n // block_n) < 2 * sms:
-        block_n //= 2
-    floor = 1 << (max(1, 4096 // block_n).bit_length() - 1)
-    block_k = min(floor, _pow2_at_least(k), 2048)
-    return (block_n, max(block_k, 16), 4, 1)
+    """The kernel's heuristic config (gemv_table.heuristic) as a tuple."""
+    return tuple(gemv_table.heuristic(n, k, sms).as_list())  # type: ignore[return-value]
 
 
 @dataclass

@@ -44,3 +44,28 @@ def test_unwritable_report_dir_fails_loudly_once_and_leaves_nothing(tmp_path) ->
     assert os.listdir(d) == [], os.listdir(d)  # no temporary file, no partial report
     (series,) = res["series"]
     assert series.endswith(" 1.0") and f'path="{d}/overlay-' in series
+
+
+def test_a_patch_entry_without_a_decision_does_not_stop_the_report(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A patch's data recorded where the plugin did not decide that patch (decode-gemv's config lookup
+    called directly, as its tests do) leaves the counts alone and the report written: every write of
+    such a process once failed with KeyError 'status'."""
+    code = """
+import json, sys
+from vllm_overlay import report
+from vllm_overlay.report import STATE
+report.patch_put("decode-gemv", "configs", "8x8", {"config": "cublas"})
+STATE.set_patch("forward-telemetry", "applied")
+path = STATE.write()
+data = json.load(open(path))
+print(json.dumps({"counts": STATE.counts(), "configs": data["patches"]["decode-gemv"]["configs"],
+                  "error": STATE.write_error}))
+"""
+    env = clean_env()
+    env["VLLM_OVERLAY_REPORT_DIR"] = str(tmp_path)
+    res = subprocess.run([PY, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["counts"]["applied"] == 1 and sum(out["counts"].values()) == 1, out
+    assert out["configs"] == {"8x8": {"config": "cublas"}} and out["error"] is None, out
+    assert "KeyError" not in res.stderr, res.stderr

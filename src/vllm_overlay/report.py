@@ -160,7 +160,10 @@ class ProcessState:
     def counts(self) -> dict[str, int]:
         out = {"applied": 0, "armed": 0, "skipped": 0, "off": 0, "upstream-merged": 0, "failed": 0}
         for rec in self.patches.values():
-            out[rec["status"]] = out.get(rec["status"], 0) + 1
+            # an entry holding a patch's data but no decision (a patch function called in a process
+            # where the plugin did not decide that patch) has no status to count
+            if "status" in rec:
+                out[rec["status"]] = out.get(rec["status"], 0) + 1
         return out
 
     def to_json(self) -> dict[str, Any]:

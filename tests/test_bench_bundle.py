@@ -71,3 +71,53 @@ def test_prepare_without_a_wheel_list_names_both_ways_out(tmp_path) -> None:  # 
                          env={**env, "DEVICE_WHEELS": missing}, cwd=GPU)
     assert run.returncode == 2 and f"DEVICE_WHEELS={missing}: no such file" in run.stderr, run.stderr
     assert not os.path.exists(os.path.join(GPU, "device-wheels-9.9.9.txt"))
+
+
+@pytest.mark.skipif(shutil.which("zstd") is None, reason="no zstd command")
+def test_compile_caches_travel_to_a_fresh_host_and_back_in_place(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """compile_cache.sh packs vLLM's compile cache and Triton's cache into parts that fit what a GPU call
+    brings back, refuses (exit 3, nothing written) beyond CACHE_MAX, and restores them on a fresh host to
+    the same places, byte for byte, only for the overlay sources they were packed from (whether vLLM then
+    loads them is for a GPU run: vLLM keys its entries). A copy of the scripts in a checkout of its own,
+    so that its sources can change between pack and restore."""
+    checkout = tmp_path / "checkout"
+    os.makedirs(checkout / "bench" / "gpu")
+    os.makedirs(checkout / "src" / "vllm_overlay")
+    for name in ("compile_cache.sh", "bundle.py"):
+        shutil.copy(os.path.join(GPU, name), checkout / "bench" / "gpu" / name)
+    (checkout / "src" / "vllm_overlay" / "patch.py").write_text("A = 1\n")
+    script = str(checkout / "bench" / "gpu" / "compile_cache.sh")
+    host = tmp_path / "host"
+    aot = host / ".cache" / "vllm" / "torch_compile_cache" / "torch_aot_compile" / "abc" / "rank_0_0"
+    tri = host / ".triton" / "cache" / "K1"
+    os.makedirs(aot)
+    os.makedirs(tri)
+    (aot / "model").write_bytes(os.urandom(200_000))
+    (tri / "k.cubin").write_bytes(b"cubin")
+    env = {**os.environ, "HOME": str(host), "DEVICE_TMP": str(tmp_path / "t"), "PART_SIZE": "64K"}
+    for k in ("VLLM_CACHE_ROOT", "XDG_CACHE_HOME", "TRITON_CACHE_DIR", "CACHE_ANY_SOURCES", "CACHE_MAX"):
+        env.pop(k, None)
+
+    def run(*args: str, **extra: str) -> subprocess.CompletedProcess:  # type: ignore[type-arg]
+        return subprocess.run(["bash", script, *args], env={**env, **extra}, capture_output=True, text=True)
+
+    sizes = run("sizes")
+    assert sizes.returncode == 0 and f"bytes in {host}/.cache/vllm/torch_compile_cache" in sizes.stdout, sizes.stdout
+    refused = run("pack", str(tmp_path / "small"), CACHE_MAX="100K")
+    assert refused.returncode == 3 and "more than CACHE_MAX=100K (102400)" in refused.stderr, refused.stderr
+    assert not (tmp_path / "small").exists()
+    bad = run("pack", str(tmp_path / "x"), CACHE_MAX="lots")
+    assert bad.returncode == 2 and "CACHE_MAX=lots: expected bytes" in bad.stderr, bad.stderr
+    packed = run("pack", str(tmp_path / "out"))
+    assert packed.returncode == 0, packed.stderr
+    parts = sorted(f for f in os.listdir(tmp_path / "out") if f.startswith("part"))
+    assert len(parts) >= 3 and all(os.path.getsize(tmp_path / "out" / p) <= 65536 for p in parts)
+    shutil.rmtree(host)  # the next host starts without either cache
+    (checkout / "src" / "vllm_overlay" / "patch.py").write_text("A = 2\n")
+    stale = run("restore", str(tmp_path / "out"))
+    assert stale.returncode == 4 and "packed from other overlay sources" in stale.stderr, stale.stderr
+    assert not host.exists()
+    (checkout / "src" / "vllm_overlay" / "patch.py").write_text("A = 1\n")
+    restored = run("restore", str(tmp_path / "out"))
+    assert restored.returncode == 0 and restored.stdout.count("restored") == 2, restored.stdout + restored.stderr
+    assert (aot / "model").stat().st_size == 200_000 and (tri / "k.cubin").read_bytes() == b"cubin"

@@ -1,0 +1,30 @@
+"""The routed-experts decode kernel (kernels/moe_decode.py) and its launch configs (moe_decode_table.py).
+
+The kernel runs under Triton's interpreter on the CPU (tests/interpreted/check_moe_decode.py); its
+speed and its outputs against vLLM's fused_experts are measured on a GPU by bench/moe_decode_kernel.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from vllm_overlay.moe_decode_table import MAX_TOKENS, heuristic
+
+
+def test_kernel_under_the_interpreter(run_interpreted) -> None:  # type: ignore[no-untyped-def]
+    run_interpreted("check_moe_decode.py")
+
+
+def test_heuristic_keeps_two_programs_a_sm_where_it_can() -> None:
+    for n, k, rows in [(512, 2048, 8), (2048, 512, 1), (2048, 512, 4), (64, 64, 1), (1, 4096, 1)]:
+        cfg = heuristic(n, k, rows, 132)
+        assert cfg.block_n * cfg.block_k <= 4096 and 128 <= cfg.block_k <= 512
+        assert cfg.block_n == 1 or rows * -(-n // cfg.block_n) >= 2 * 132, (n, k, rows, cfg)
+    assert MAX_TOKENS == 4
+
+
+def test_bench_names_itself_without_a_gpu() -> None:
+    p = subprocess.run([sys.executable, "bench/moe_decode_kernel.py", "--help"], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "fused_experts" in p.stdout and "--budget-s" in p.stdout

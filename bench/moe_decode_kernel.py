@@ -3,7 +3,7 @@ inside a CUDA graph, the weight-read floor, the fastest launch configs and how t
 
   export PYTHONPATH=$PWD/src:/tmp/site
   python3 bench/moe_decode_kernel.py [--model qwen36-35b-a3b-geometry] [--tokens 1,2,3,4]
-      [--layers 8] [--reps 15] [--budget-s 150] [--out FILE.json]
+      [--layers 8] [--reps 15] [--budget-s 150] [--out FILE.json] [--no-stock] [--device cuda]
 
 Needs a CUDA GPU with torch and Triton; vLLM (staged, /tmp/site) for the stock side, which is left out
 with a line in the file where it cannot be imported. The geometry is the model's MoE (bench/models/NAME.json:
@@ -17,14 +17,16 @@ Stock: vLLM's ``fused_experts(x, w13, w2, topk_weights, topk_ids)`` as its unqua
 it (its own fused-MoE config lookup; the file it found is recorded). Overlay:
 ``vllm_overlay.kernels.moe_decode.routed_experts`` with the heuristic configs, then a search per token
 count: BLOCK_N x BLOCK_K tiles at 4 warps and 1 stage for the up launch (down at its heuristic), then the
-same for down (up at the best), then 2, 4 or 8 warps and 1 or 3 stages around each launch's best;
---budget-s bounds the search over all token counts (cut short, said in the file).
+same for down (up at the best), then 2, 4 or 8 warps and 1 or 3 stages around each launch's best, the previous token
+count's best timed first; --budget-s bounds the search over all token counts (cut short, said in the file).
 
 Floor: the bytes of the distinct experts a layer reads, over the copy bandwidth measured here (a
 device-to-device copy of 2 GiB, read + write). Outputs: each kernel's largest error against the exact
 (float64, no intermediate rounding) result in bf16 steps of the exact value, and the overlay against
 stock: elements bit-equal, largest difference in steps. Per step: times 40 MoE layers (the geometry's).
-The file is rewritten after every token count.
+The file is rewritten after every token count. --device cpu --no-stock (with TRITON_INTERPRET=1 and a small
+geometry, e.g. --model tiny-moe-dense) rehearses the script on a CPU: wall-clock loops instead of CUDA graphs,
+times that say nothing about a GPU.
 """
 
 from __future__ import annotations
@@ -72,14 +74,23 @@ def exact(x: Any, w13: Any, w2: Any, wts: Any, ids: Any) -> Any:
     return out
 
 
-def copy_bandwidth(torch: Any) -> float:
-    """Bytes per second of a device-to-device copy (read + write counted)."""
-    from vllm_overlay.tools.tune.gemv_cuda import graph_call_times_us
+def wall_call_times_us(calls: list[Callable[[], Any]], reps: int) -> list[float]:
+    """The CPU rehearsal's timer: each pass over the calls, wall clock, over the calls."""
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for c in calls:
+            c()
+        out.append((time.perf_counter() - t0) * 1e6 / len(calls))
+    return out
 
-    n = 1 << 30  # 2 GiB of bf16
-    src = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+
+def copy_bandwidth(torch: Any, device: str, timer: Callable[..., list[float]]) -> float:
+    """Bytes per second of a device-to-device copy (read + write counted)."""
+    n = 1 << (30 if device == "cuda" else 22)  # 2 GiB of bf16 on a GPU
+    src = torch.empty(n, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
-    us = statistics.median(graph_call_times_us([lambda: dst.copy_(src)] * 4, 9))
+    us = statistics.median(timer([lambda: dst.copy_(src)] * 4, 9))
     del src, dst
     return 2 * 2 * n / (us * 1e-6)
 
@@ -92,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--budget-s", type=float, default=150.0)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--no-stock", action="store_true", help="leave vLLM's fused_experts out")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                    help="cpu: rehearse the script (TRITON_INTERPRET=1, a small --model)")
     a = ap.parse_args(argv)
     tokens = [int(t) for t in a.tokens.split(",")]
     out_path = a.out or os.path.join(os.environ.get("OUT") or os.path.join(HERE, "results"),
@@ -103,18 +117,24 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_overlay.kernels.moe_decode import MAX_TOKENS, Config, heuristic, routed_experts
     from vllm_overlay.tools.tune.gemv_cuda import graph_call_times_us
 
+    dev = a.device
+    if dev == "cpu":
+        graph_call_times_us = wall_call_times_us  # noqa: F811 (the rehearsal's timer)
     if any(not 1 <= t <= MAX_TOKENS for t in tokens):
         ap.error(f"--tokens {a.tokens}: each must be 1 to {MAX_TOKENS}")
     cfg = json.load(open(os.path.join(HERE, "models", f"{a.model}.json")))
     E, K_TOP = cfg["num_experts"], cfg["num_experts_per_tok"]
     H, I = cfg["hidden_size"], cfg["moe_intermediate_size"]
     moe_layers = cfg["num_hidden_layers"]
-    props = torch.cuda.get_device_properties(0)
-    sms = props.multi_processor_count
+    if dev == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        device_name, sms = props.name, props.multi_processor_count
+    else:
+        device_name, sms = "cpu (rehearsal)", os.cpu_count() or 1
     res: dict[str, Any] = {
         "what": "routed experts of one MoE layer at 1-4 tokens: vLLM fused_experts vs vllm_overlay moe_decode",
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "device": props.name, "sms": sms, "python": platform.python_version(),
+        "device": device_name, "sms": sms, "python": platform.python_version(),
         "versions": {"torch": torch.__version__, "triton": triton.__version__},
         "geometry": {"model": a.model, "experts": E, "top_k": K_TOP, "hidden": H, "intermediate": I,
                      "moe_layers_per_step": moe_layers},
@@ -129,35 +149,39 @@ def main(argv: list[str] | None = None) -> int:
         os.replace(out_path + ".tmp", out_path)
 
     fused_experts: Callable[..., Any] | None = None
-    try:
-        import vllm
-        from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts
+    if a.no_stock:
+        res["stock_left_out"] = "--no-stock"
+    else:
+        try:
+            import vllm
+            from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts
 
-        res["versions"]["vllm"] = vllm.__version__
-    except Exception as exc:  # noqa: BLE001 (recorded: the stock side is left out)
-        res["stock_left_out"] = f"vLLM's fused_experts could not be imported: {type(exc).__name__}: {exc}"
-        print(f"moe-decode-kernel: {res['stock_left_out']}", file=sys.stderr)
+            res["versions"]["vllm"] = vllm.__version__
+        except Exception as exc:  # noqa: BLE001 (recorded: the stock side is left out)
+            res["stock_left_out"] = f"vLLM's fused_experts could not be imported: {type(exc).__name__}: {exc}"
+            print(f"moe-decode-kernel: {res['stock_left_out']}", file=sys.stderr)
 
-    res["copy_bandwidth_gbs"] = round(copy_bandwidth(torch) / 1e9, 1)
+    res["copy_bandwidth_gbs"] = round(copy_bandwidth(torch, dev, graph_call_times_us) / 1e9, 1)
     save()
-    g = torch.Generator(device="cuda").manual_seed(0)
-    w13 = [(torch.randn((E, 2 * I, H), device="cuda", generator=g) / H ** 0.5).to(torch.bfloat16)
+    g = torch.Generator(device=dev).manual_seed(0)
+    w13 = [(torch.randn((E, 2 * I, H), device=dev, generator=g) / H ** 0.5).to(torch.bfloat16)
            for _ in range(a.layers)]
-    w2 = [(torch.randn((E, H, I), device="cuda", generator=g) / I ** 0.5).to(torch.bfloat16) for _ in range(a.layers)]
+    w2 = [(torch.randn((E, H, I), device=dev, generator=g) / I ** 0.5).to(torch.bfloat16) for _ in range(a.layers)]
     expert_bytes = (2 * I * H + H * I) * 2
     deadline = time.monotonic() + a.budget_s
     cpu = torch.Generator().manual_seed(1)
 
+    prev: tuple[Any, Any] | None = None
     for m in tokens:
-        x = torch.randn((m, H), device="cuda", generator=g).to(torch.bfloat16)
-        ids = [torch.stack([torch.randperm(E, generator=cpu)[:K_TOP] for _ in range(m)]).to(torch.int32).cuda()
+        x = torch.randn((m, H), device=dev, generator=g).to(torch.bfloat16)
+        ids = [torch.stack([torch.randperm(E, generator=cpu)[:K_TOP] for _ in range(m)]).to(torch.int32).to(dev)
                for _ in range(a.layers)]
-        wts = [torch.softmax(torch.randn((m, K_TOP), generator=cpu), -1).cuda() for _ in range(a.layers)]
+        wts = [torch.softmax(torch.randn((m, K_TOP), generator=cpu), -1).to(dev) for _ in range(a.layers)]
         distinct = statistics.mean(len(set(i.flatten().tolist())) for i in ids)
         floor_us = distinct * expert_bytes / (res["copy_bandwidth_gbs"] * 1e9) * 1e6
         row: dict[str, Any] = {"distinct_experts_per_layer": distinct, "floor_us": round(floor_us, 2)}
         res["tokens"][str(m)] = row
-        outs = [torch.empty((m, H), dtype=torch.bfloat16, device="cuda") for _ in range(a.layers)]
+        outs = [torch.empty((m, H), dtype=torch.bfloat16, device=dev) for _ in range(a.layers)]
 
         def overlay_calls(up: Any, down: Any) -> list[Callable[[], Any]]:
             return [(lambda l=l: routed_experts(x, w13[l], w2[l], wts[l], ids[l], up, down, out=outs[l]))
@@ -202,6 +226,10 @@ def main(argv: list[str] | None = None) -> int:
         row["overlay_heuristic"] = {"up": up_h.as_list(), "down": down_h.as_list(),
                                     "us": None if h_us is None else round(h_us, 2)}
         best_up, best_down = up_h, down_h
+        if prev is not None:  # the previous token count's best, timed first: a cut search keeps what it found
+            us = time_pair(*prev)
+            if us is not None and (h_us is None or us < h_us):
+                best_up, best_down = prev
         cut = False
         for which in ("up", "down"):
             cands = [Config(bn, bk, 4, 1) for bn, bk in SPACE_TILES if bk <= max(128, 2 * (H if which == "up" else I))]
@@ -225,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                     us = time_pair(u, d)
                     if us is not None and us < (time_pair(best_up, best_down) or float("inf")):
                         best_up, best_down = u, d
+        prev = (best_up, best_down)
         best_t = graph_call_times_us(overlay_calls(best_up, best_down), a.reps)
         ov_out = routed_experts(x, w13[0], w2[0], wts[0], ids[0], best_up, best_down)
         row["overlay_best"] = {"up": best_up.as_list(), "down": best_down.as_list(), "us": stats(best_t),

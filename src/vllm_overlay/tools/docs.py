@@ -27,8 +27,8 @@ from vllm_overlay.spec import PatchSpec
 
 # file (relative to the project root) -> the generated sections it holds
 PAGES: dict[str, tuple[str, ...]] = {
-    "README.md": ("patches", "support-levels"),
-    "docs/support.md": ("support-matrix", "support-evidence"),
+    "README.md": ("patches", "support-levels-cuda"),
+    "docs/support.md": ("support-matrix", "support-levels", "support-evidence"),
     "docs/settings.md": ("settings", "budget-priority"),
 }
 PATCH_DIR = "docs/patches"
@@ -61,12 +61,13 @@ def _short(spec: object, version: str, runner: str, platform: str) -> str:
     return matrix.SHORT.get(row.status, "-") if row and not spec.applies_on(version) else "-"  # type: ignore[attr-defined]
 
 
-def levels_table() -> str:
-    """Releases x patches per platform and runner, consecutive releases with the same levels in one row."""
+def levels_table(platforms: tuple[str, ...] = levels.PLATFORMS) -> str:
+    """Releases x patches per platform and runner, consecutive releases with the same levels in one row
+    (the README's table: the CUDA rows; docs/support.md's: every platform)."""
     specs = matrix.specs()
     rows = ["| vLLM | platform, runner | " + " | ".join(f"`{s.id}`" for s in specs) + " |",
             "|---|---|" + "---|" * len(specs)]
-    for platform in levels.PLATFORMS:
+    for platform in platforms:
         for runner in levels.RUNNERS:
             groups: list[tuple[list[str], list[str]]] = []
             for v in (v for v in versions.RELEASES if levels.runner_exists(v, runner)):
@@ -217,6 +218,8 @@ def render(section: str) -> str:
         return matrix.markdown()
     if section == "support-levels":
         return levels_table()
+    if section == "support-levels-cuda":
+        return levels_table(("cuda",))
     if section == "support-evidence":
         return levels_evidence()
     if section == "settings":

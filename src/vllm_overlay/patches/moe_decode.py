@@ -73,7 +73,7 @@ SPEC = PatchSpec(
                 "UnquantizedFusedMoEMethod.apply(layer, x, topk_weights, topk_ids, shared_experts_input) " + ROW,
                 (Proof(METHOD_PATH, SIGNATURE_020), Proof(METHOD_PATH, KERNEL_CALL), Proof(MK_PATH, SYNC_FINALIZE),
                  Proof(METHOD_PATH, BACKEND))),
-        Support(">=0.22.0", "applies",
+        Support(">=0.22.0,<=0.34.0", "applies",
                 "UnquantizedFusedMoEMethod.apply(layer, x, topk_weights, topk_ids, shared_experts, "
                 "shared_experts_input) " + ROW,
                 (Proof(METHOD_PATH, SIGNATURE), Proof(METHOD_PATH, KERNEL_CALL), Proof(MK_PATH, SYNC_FINALIZE),

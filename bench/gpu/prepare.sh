@@ -4,6 +4,7 @@
 #
 #   bash bench/gpu/prepare.sh [VERSION]          # default 0.26.0; from the checkout root, 3-5 minutes
 #   ZSTD_LEVEL=9 bash bench/gpu/prepare.sh 0.33.0   # a release that carries torch: 2 minutes
+#   KERNELS_ONLY=1 bash bench/gpu/prepare.sh 0.26.0 # vLLM's ops without its attention kernels (below)
 #
 # writes .gpu/VERSION/: part00, part01, ... (vLLM's wheel unpacked and the wheels it needs beyond the
 # host's packages, one zstd-compressed tar split into parts of at most PART_SIZE, default 48M, for a
@@ -90,6 +91,13 @@ mkdir -p "$work/payload/site"
 rm -f "$work/payload/site/vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so"
 # The Rust frontend binary (43 MB, 11 MB packed) runs only with VLLM_USE_RUST_FRONTEND=1 (vllm/envs.py).
 rm -f "$work/payload/site/vllm/vllm-rs"
+# KERNELS_ONLY=1: for kernel benchmarks that import vLLM's ops and serve nothing (bench/moe_decode_kernel.py):
+# FlashAttention 2 and the bundled third-party sources (DeepGEMM, FMHA headers) are left out too, about half the
+# parts; a server started from such a bundle fails at its first attention layer.
+if [ "${KERNELS_ONLY:-0}" = 1 ]; then
+  echo "KERNELS_ONLY=1: leaving out FlashAttention 2 and vllm/third_party (no server can run from these parts)"
+  rm -rf "$work/payload/site/vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so" "$work/payload/site/vllm/third_party"
+fi
 echo "compressing $(du -sh "$work/payload" | cut -f1) ..."
 mkdir -p "$out"
 python3 "$here/bundle.py" pack "$work/payload" "$out" --part-size "${PART_SIZE:-48M}" --level "${ZSTD_LEVEL:-19}" \

@@ -108,7 +108,7 @@ def _down_kernel(
     rk = tl.arange(0, BLOCK_K)
     dtype = o_ptr.dtype.element_ty
     total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for slot in range(TOP_K):
+    for slot in tl.static_range(TOP_K):  # unrolled: the slots' weight loads can be in flight together
         pair = tok * TOP_K + slot
         expert = tl.load(ids_ptr + pair).to(tl.int64)
         weight = tl.load(wts_ptr + pair).to(tl.float32)

@@ -18,7 +18,7 @@ def test_kernel_under_the_interpreter(run_interpreted) -> None:  # type: ignore[
 def test_heuristic_keeps_two_programs_a_sm_where_it_can() -> None:
     for n, k, rows in [(512, 2048, 8), (2048, 512, 1), (2048, 512, 4), (64, 64, 1), (1, 4096, 1)]:
         cfg = heuristic(n, k, rows, 132)
-        assert cfg.block_n * cfg.block_k <= 4096 and 128 <= cfg.block_k <= 512
+        assert cfg.block_n * cfg.block_k <= 1024 and 128 <= cfg.block_k <= 1024
         assert cfg.block_n == 1 or rows * -(-n // cfg.block_n) >= 2 * 132, (n, k, rows, cfg)
     assert MAX_TOKENS == 4
 
@@ -33,7 +33,8 @@ def test_bench_names_itself_without_a_gpu() -> None:
 def test_bench_rehearses_on_the_cpu(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """bench/moe_decode_kernel.py end to end on a small geometry under Triton's interpreter (--device cpu,
     --no-stock: vLLM's CPU build would replace Triton once imported): the file it writes has every
-    token count's floor, heuristic and best configs and the error against the exact result."""
+    token count's floor, heuristic and best configs and the errors (the interpreter truncates to bf16, so
+only the relative L2 error is bounded here)."""
     import importlib.util
     import json
     import os
@@ -53,7 +54,7 @@ def test_bench_rehearses_on_the_cpu(tmp_path) -> None:  # type: ignore[no-untype
     assert sorted(res["tokens"]) == ["1", "3"]
     for row in res["tokens"].values():
         assert row["floor_us"] > 0 and row["overlay_best"]["failed"] == []
-        assert len(row["overlay_best"]["up"]) == 4 and row["overlay_steps_from_exact"] >= 0
+        assert len(row["overlay_best"]["up"]) == 4 and row["overlay_error"]["rel_l2_vs_exact"] < 0.1
         assert "stock_us" not in row and row["per_step_ms"]["overlay"] > 0
     assert "wrote" in p.stdout
 

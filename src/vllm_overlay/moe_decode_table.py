@@ -11,15 +11,19 @@ from __future__ import annotations
 from vllm_overlay.gemv_table import Config, pow2_at_least
 
 MAX_TOKENS = 4  # forwards of more tokens keep vLLM's fused_experts
-ELEMENTS = 4096  # BLOCK_N * BLOCK_K: 8 KiB of bf16 weights per program per K tile
+# BLOCK_N * BLOCK_K: 2 KiB of bf16 weights per program per K tile. The tiles a search on an H100 found
+# fastest at one token on the 35B-A3B geometry (bench/results/moe-decode-kernel-026-h100.json): up 1 x 1024,
+# down 2 x 512 (heuristic of 4096 elements: 25.7 us a layer; the search's best: 23.2).
+ELEMENTS = 1024
+MAX_BLOCK_K = 1024
 
 
 def heuristic(n: int, k: int, rows: int, sms: int) -> Config:
-    """A launch's config: BLOCK_K up to 512 along the reduced dimension k, BLOCK_N = ELEMENTS / BLOCK_K,
-    halved while the grid (rows x ceil(n / BLOCK_N) programs) has fewer than two programs per SM.
+    """A launch's config: BLOCK_K up to MAX_BLOCK_K along the reduced dimension k, BLOCK_N = ELEMENTS /
+    BLOCK_K, halved while the grid (rows x ceil(n / BLOCK_N) programs) has fewer than two programs per SM.
     ``rows``: tokens x top_k for ``up`` (n = the intermediate size, k = the hidden size), tokens for
     ``down`` (n = the hidden size, k = the intermediate size)."""
-    block_k = min(512, max(128, pow2_at_least(k)))
+    block_k = min(MAX_BLOCK_K, max(128, pow2_at_least(k)))
     block_n = max(1, ELEMENTS // block_k)
     while block_n > 1 and rows * -(-n // block_n) < 2 * sms:
         block_n //= 2

@@ -90,9 +90,9 @@ def test_refuses_what_it_does_not_compute() -> None:
 
 def test_heuristic_for_the_geometry() -> None:
     """35B-A3B (E 256, top 8, H 2048, I 512) on 132 SMs: at least two programs a SM where n allows."""
-    assert heuristic(512, 2048, 8, 132).as_list() == [8, 512, 4, 1]  # up, one token: 512 programs
-    assert heuristic(2048, 512, 1, 132).as_list() == [4, 512, 4, 1]  # down, one token: 512 programs
-    assert heuristic(2048, 512, 4, 132).as_list() == [8, 512, 4, 1]  # down, four tokens: 1024 programs
+    assert heuristic(512, 2048, 8, 132).as_list() == [1, 1024, 4, 1]  # up, one token: 4,096 programs
+    assert heuristic(2048, 512, 1, 132).as_list() == [2, 512, 4, 1]  # down, one token: 1,024 programs
+    assert heuristic(2048, 512, 4, 132).as_list() == [2, 512, 4, 1]  # down, four tokens: 4,096 programs
 
 
 # ---- the patch's wrapper on stand-ins for vLLM's method and layer ------------------------------------

@@ -92,11 +92,14 @@ rm -f "$work/payload/site/vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so"
 # The Rust frontend binary (43 MB, 11 MB packed) runs only with VLLM_USE_RUST_FRONTEND=1 (vllm/envs.py).
 rm -f "$work/payload/site/vllm/vllm-rs"
 # KERNELS_ONLY=1: for kernel benchmarks that import vLLM's ops and serve nothing (bench/moe_decode_kernel.py):
-# FlashAttention 2 and the bundled third-party sources (DeepGEMM, FMHA headers) are left out too, about half the
-# parts; a server started from such a bundle fails at its first attention layer.
+# FlashAttention 2 and the bundled DeepGEMM and FMHA sources are left out too, about half the parts; a server
+# started from such a bundle fails at its first attention layer. The rest of vllm/third_party stays: vLLM
+# finds the GPU through its bundled pynvml (without it the platform is not CUDA and no op loads, as on an
+# H100 on 2026-12-08).
 if [ "${KERNELS_ONLY:-0}" = 1 ]; then
-  echo "KERNELS_ONLY=1: leaving out FlashAttention 2 and vllm/third_party (no server can run from these parts)"
-  rm -rf "$work/payload/site/vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so" "$work/payload/site/vllm/third_party"
+  echo "KERNELS_ONLY=1: leaving out FlashAttention 2, DeepGEMM and the FMHA sources (no server can run from these parts)"
+  rm -rf "$work/payload/site/vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so" "$work/payload/site/vllm/third_party/deep_gemm" \
+    "$work/payload/site/vllm/third_party/fmha_sm100"
 fi
 echo "compressing $(du -sh "$work/payload" | cut -f1) ..."
 mkdir -p "$out"

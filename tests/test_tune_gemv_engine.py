@@ -1,7 +1,7 @@
 """tune-gemv's shapes against the layers a real vLLM engine builds: the tiny hybrid booted by vLLM's CPU
-build (dummy weights), every module whose quant_method is an UnquantizedLinearMethod (what decode-gemv
-takes on CUDA) listed with its weight's shape, compared with what tune-gemv derives from the same
-config.json. Nothing is stood in for: the CPU build builds the same Qwen3-Next layers as the CUDA one
+build (dummy weights), every weight an UnquantizedLinearMethod (what decode-gemv takes on CUDA) loads,
+with its shape as it loads (the CPU build may repack it afterwards), compared with what tune-gemv derives
+from the same config.json. Nothing is stood in for: the CPU build builds the same Qwen3-Next layers as the CUDA one
 (its GEMM differs, which the shapes do not depend on)."""
 
 from __future__ import annotations
@@ -25,18 +25,22 @@ TINY = os.path.join(os.path.dirname(HERE), "src", "vllm_overlay", "tools", "mode
 SCRIPT = textwrap.dedent("""
     import collections, json, sys
     from vllm import LLM
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
-    def linears(model):
-        from vllm.model_executor.layers.linear import UnquantizedLinearMethod
-        out = collections.Counter()
-        for name, m in model.named_modules():
-            if isinstance(getattr(m, "quant_method", None), UnquantizedLinearMethod) and m.weight.dim() == 2:
-                out[f"{m.weight.shape[0]}x{m.weight.shape[1]}"] += 1
-        return dict(out)
+    # each weight's shape as it loads: after loading, vLLM's CPU build may repack a weight for its own
+    # GEMM (oneDNN, on some CPUs) and leave layer.weight empty
+    SHAPES = collections.Counter()
+    after_loading = UnquantizedLinearMethod.process_weights_after_loading
 
+    def record(self, layer):
+        if layer.weight.dim() == 2:
+            SHAPES[f"{layer.weight.shape[0]}x{layer.weight.shape[1]}"] += 1
+        return after_loading(self, layer)
+
+    UnquantizedLinearMethod.process_weights_after_loading = record
     llm = LLM(model=sys.argv[1], load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
               max_model_len=1024, max_num_batched_tokens=1024, max_num_seqs=4, gpu_memory_utilization=0.1, seed=0)
-    print("SHAPES " + json.dumps(llm.apply_model(linears)[0]), flush=True)
+    print("SHAPES " + json.dumps(dict(SHAPES)), flush=True)
 """)
 
 

@@ -61,8 +61,7 @@ ROW = ("runs vLLM's modular kernel on layer.w13_weight / layer.w2_weight, which 
 
 SPEC = PatchSpec(
     id=PATCH_ID,
-    title="The routed experts of a 1-4 token forward in two Triton launches (CUDA, opt-in: "
-          "VLLM_OVERLAY_MOE_DECODE=1)",
+    title="The routed experts of a 1-4 token forward in two Triton launches (CUDA, opt-in)",
     why=why_from(__doc__),
     upstream="https://github.com/vllm-project/vllm/blob/v0.34.0/vllm/model_executor/layers/fused_moe/fused_moe.py "
              "(fused_experts: the unquantized Triton path at every batch size)",

@@ -48,11 +48,9 @@ from typing import Any, Callable
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 
+from serve_measure import stat  # noqa: E402 (bench/serve_measure.py, stdlib only: median, min, max, n)
+
 SPACE_TILES = [(bn, bk) for bn in (1, 2, 4, 8, 16, 32) for bk in (128, 256, 512, 1024) if 512 <= bn * bk <= 16384]
-
-
-def stats(times: list[float]) -> dict[str, float]:
-    return {"median": round(statistics.median(times), 2), "min": round(min(times), 2), "max": round(max(times), 2)}
 
 
 def steps_of_scale(y: Any, ref: Any) -> float:
@@ -225,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                 stock_out = fused_experts(x, w13[0], w2[0], wts[0], ids[0])
                 t = graph_call_times_us([(lambda l=l: fused_experts(x, w13[l], w2[l], wts[l], ids[l]))
                                          for l in range(a.layers)], a.reps)
-                row["stock_us"] = stats(t)
+                row["stock_us"] = stat(t)
                 row["stock_error"] = errors(stock_out, ref, rounded)
             except Exception:  # noqa: BLE001 (recorded)
                 row["stock_failed"] = traceback.format_exc()[-3000:]
@@ -281,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         prev = (best_up, best_down)
         best_t = graph_call_times_us(overlay_calls(best_up, best_down), a.reps)
         ov_out = routed_experts(x, w13[0], w2[0], wts[0], ids[0], best_up, best_down)
-        row["overlay_best"] = {"up": best_up.as_list(), "down": best_down.as_list(), "us": stats(best_t),
+        row["overlay_best"] = {"up": best_up.as_list(), "down": best_down.as_list(), "us": stat(best_t),
                                "configs_timed": len(timed), "failed": failed[:10], "search_cut_by_budget": cut}
         row["overlay_error"] = errors(ov_out, ref, rounded)
         if stock_out is not None:

@@ -24,11 +24,13 @@ Off by default: its speed in a served A/B against stock is not measured yet
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from vllm_overlay import report
 from vllm_overlay.logs import LOG
 from vllm_overlay.mechanisms.wrap import argument
+from vllm_overlay.moe_decode_table import MAX_TOKENS, heuristic
 from vllm_overlay.report import STATE
 from vllm_overlay.spec import PatchSpec, Proof, Support, Target, why_from, wraps
 
@@ -92,7 +94,7 @@ SPEC = PatchSpec(
 )
 
 DECIDED = "_vllm_overlay_moe_decode"  # on a method: None (the kernel serves small forwards) or why not
-_SMS: dict[int, int] = {}
+INTERPRETED_SMS = 132  # the kernel on CPU tensors (Triton's interpreter, the tests): an H100's SM count
 _CONFIGS_SAID: set[int] = set()  # token counts whose launch configs the report holds
 
 
@@ -144,26 +146,31 @@ def refusal(instance: Any, layer: Any, x: Any) -> str | None:
     return None
 
 
-def _configs(x: Any, inter: int, hidden: int, top_k: int) -> tuple[Any, Any]:
+@functools.cache
+def _sms(device_index: int) -> int:
     import torch
 
-    from vllm_overlay.moe_decode_table import heuristic
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
-    if x.device.type != "cuda":  # the kernel under Triton's interpreter (tests): an H100's SM count
-        dev = -1
-        _SMS.setdefault(dev, 132)
-    else:
-        dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    if dev not in _SMS:
-        _SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
-    m = x.shape[0]
-    return heuristic(inter, hidden, m * top_k, _SMS[dev]), heuristic(hidden, inter, m, _SMS[dev])
+
+@functools.cache
+def _configs(sms: int, tokens: int, inter: int, hidden: int, top_k: int) -> tuple[Any, Any]:
+    """The up and down launches' configs (decided once per shape, not on every call)."""
+    return heuristic(inter, hidden, tokens * top_k, sms), heuristic(hidden, inter, tokens, sms)
+
+
+def _device_sms(x: Any) -> int:
+    if x.device.type != "cuda":
+        return INTERPRETED_SMS
+    if x.device.index is not None:
+        return _sms(x.device.index)
+    import torch
+
+    return _sms(torch.cuda.current_device())
 
 
 @wraps(APPLY)
 def _apply(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    from vllm_overlay.moe_decode_table import MAX_TOKENS
-
     x = argument(PARAMS, "x", args, kwargs)
     if x is None or x.dim() != 2 or not 1 <= x.shape[0] <= MAX_TOKENS:
         return wrapped(*args, **kwargs)
@@ -184,7 +191,7 @@ def _apply(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str,
 
     w13, w2 = layer.w13_weight, layer.w2_weight
     topk_ids = argument(PARAMS, "topk_ids", args, kwargs)
-    up, down = _configs(x, w2.shape[2], w2.shape[1], topk_ids.shape[1])
+    up, down = _configs(_device_sms(x), x.shape[0], w2.shape[2], w2.shape[1], topk_ids.shape[1])
     STATE.count("moe_decode_calls")  # eager calls and CUDA graph captures; replays run no Python
     if x.shape[0] not in _CONFIGS_SAID:
         _CONFIGS_SAID.add(x.shape[0])
